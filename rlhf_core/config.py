@@ -1,0 +1,164 @@
+"""Typed configs: dataclass defaults -> the stage's `params.yaml` section -> dotted `--set` overrides.
+
+Every stage config is a `@dataclass(frozen=True, kw_only=True)`; nested dataclasses are
+sections (`rl.kl.coef`).  Loading is strict: an unknown key or a value of the wrong type is a
+`ConfigError` naming the key and listing the valid ones.  The resolved config is plain JSON
+(`config_to_dict`) with a stable hash (`config_hash`) that lineage records.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; the message says which and what is valid."""
+
+
+def _valid_keys(cls, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += _valid_keys(tp, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (int -> float, list -> tuple)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} keys, got {value!r}")
+        return from_dict(tp, value, prefix=key + ".")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        item_tp = args[0] if args else Any
+        return tuple(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise ConfigError(f"{key}: unsupported annotation {tp!r}")
+
+
+def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
+    """Build dataclass `cls` from a (nested) dict, strictly."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!s}; valid keys: {', '.join(_valid_keys(cls, prefix))}"
+        )
+    kwargs = {name: _coerce(value, hints[name], prefix + name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # __post_init__ checks raise ValueError
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from e
+
+
+def parse_overrides(overrides: typing.Iterable[str], section: str) -> dict:
+    """`["rl.algo=ppo", "rl.kl.coef=0.1"]` -> `{"algo": "ppo", "kl": {"coef": 0.1}}`.
+
+    Values are parsed as YAML scalars (`20` -> int, `0.1` -> float, `true` -> bool,
+    `[1, 2]` -> list).  The leading `SECTION.` is optional.
+    """
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. {section}.max_steps=20)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if parts[0] == section and len(parts) > 1:
+            parts = parts[1:]
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier one")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for k, v in update.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def load_params(params_path: str | Path = "params.yaml") -> dict:
+    """The whole `params.yaml` as a dict (empty if the file does not exist)."""
+    path = Path(params_path)
+    if not path.exists():
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of stage sections")
+    return data
+
+
+def load_config(cls: type[T], section: str, params_path: str | Path = "params.yaml", overrides: typing.Iterable[str] = ()) -> T:
+    """Defaults of `cls`, updated by `params.yaml[section]`, updated by the overrides."""
+    data = load_params(params_path).get(section) or {}
+    data = _merge(data, parse_overrides(overrides, section))
+    return from_dict(cls, data, prefix=f"{section}.")
+
+
+def config_to_dict(cfg) -> dict:
+    """JSON-ready dict (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def config_hash(cfg) -> str:
+    """sha256 of the canonical JSON of the resolved config (sorted keys, no whitespace)."""
+    canonical = json.dumps(config_to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

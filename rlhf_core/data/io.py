@@ -1,0 +1,176 @@
+"""Load user data (JSONL, Parquet, HF `datasets` directories) and validate every row.
+
+Formats (ARCHITECTURE.md §3):
+  sft   prompt, response      (or `messages`: [{role, content}, ...] with an assistant turn)
+  pref  prompt, chosen, rejected
+  rl    prompt, label          (also the eval format)
+
+A malformed row (missing key, wrong type, empty text, non-UTF-8, over `max_chars`, duplicate
+`id`, chosen == rejected) is rejected with a reason, written to a rejects file and counted.
+Nothing is silently dropped: above `max_reject_ratio` the load fails with a summary.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label")}
+
+
+class DataError(ValueError):
+    """The data cannot be used; the message says why and where the rejects are."""
+
+
+@dataclass
+class LoadResult:
+    rows: list[dict]
+    num_total: int
+    num_rejected: int
+    reasons: Counter = field(default_factory=Counter)
+    rejects_path: Path | None = None
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict, str | None]]:
+    """(line number, row, reason or None) per non-blank line; bytes are decoded strictly.
+    An unparsable line comes back as {"_raw": text} with its reason."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, {"_raw": raw.decode("utf-8", "backslashreplace")}, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield lineno, {"_raw": text}, f"invalid JSON ({e.msg})"
+                continue
+            yield (lineno, row, None) if isinstance(row, dict) else (lineno, {"_raw": text}, "row is not a JSON object")
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[int, dict, str | None]]:
+    if path.is_dir():
+        from datasets import load_from_disk  # HF `datasets` dir written by save_to_disk
+
+        ds = load_from_disk(str(path))
+        if hasattr(ds, "keys"):  # a DatasetDict: take "train"
+            if "train" not in ds:
+                raise DataError(f"{path}: a DatasetDict without a 'train' split (has {list(ds.keys())})")
+            ds = ds["train"]
+        for i, row in enumerate(ds, start=1):
+            yield i, dict(row), None
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield i, row, None
+    elif path.suffix in (".jsonl", ".json"):
+        yield from _iter_jsonl(path)
+    else:
+        raise DataError(f"{path}: unsupported data format (use .jsonl, .parquet or a HF datasets directory)")
+
+
+def _text_problem(row: dict, key: str, max_chars: int) -> str | None:
+    if key not in row or row[key] is None:
+        return f"missing key {key!r}"
+    value = row[key]
+    if not isinstance(value, str):
+        return f"{key!r} must be a string, got {type(value).__name__}"
+    if not value.strip():
+        return f"empty {key!r}"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{key!r} is not valid UTF-8 (lone surrogate)"
+    if len(value) > max_chars:
+        return f"{key!r} has {len(value)} characters, over max_chars={max_chars}"
+    return None
+
+
+def _messages_problem(row: dict, max_chars: int) -> str | None:
+    msgs = row["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        return "'messages' must be a non-empty list"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"messages[{i}] must be an object with a string 'role'"
+        problem = _text_problem(m, "content", max_chars)
+        if problem:
+            return f"messages[{i}]: {problem}"
+    if not any(m["role"] == "assistant" for m in msgs):
+        return "'messages' has no assistant turn to learn from"
+    return None
+
+
+def validate_row(row: dict, kind: str, max_chars: int) -> str | None:
+    """The reason `row` is unusable for `kind`, or None if it is fine."""
+    if kind == "sft" and "messages" in row and "response" not in row:
+        return _messages_problem(row, max_chars)
+    if kind == "rl" and isinstance(row.get("label"), int) and not isinstance(row.get("label"), bool):
+        row["label"] = str(row["label"])  # integer answers are common in task data
+    for key in SCHEMAS[kind]:
+        problem = _text_problem(row, key, max_chars)
+        if problem:
+            return problem
+    if kind == "pref" and row["chosen"] == row["rejected"]:
+        return "chosen == rejected (no preference to learn)"
+    return None
+
+
+def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_chars: int = 4096, max_reject_ratio: float = 0.05) -> LoadResult:
+    """Read and validate `path` as `kind` data; write rejects (JSONL: line, reason, row) to `rejects_path`.
+
+    Raises DataError if the file is missing, no row is valid, or more than `max_reject_ratio`
+    of the rows are rejected.
+    """
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown data kind {kind!r}; valid: {sorted(SCHEMAS)}")
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    rows, rejects, seen_ids = [], [], set()
+    for lineno, row, reason in _iter_rows(path):
+        if reason is None:
+            reason = validate_row(row, kind, max_chars)
+        if reason is None and "id" in row:
+            if row["id"] in seen_ids:
+                reason = f"duplicate id {row['id']!r}"
+            seen_ids.add(row["id"])
+        if reason is None:
+            rows.append(row)
+        else:
+            rejects.append({"source": str(path), "line": lineno, "reason": reason, "row": _preview(row)})
+    total = len(rows) + len(rejects)
+    reasons = Counter(r["reason"].split(" (")[0] for r in rejects)
+    rejects_path = Path(rejects_path)
+    rejects_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(rejects_path, "w") as f:
+        for r in rejects:
+            f.write(json.dumps(r, ensure_ascii=True) + "\n")
+    result = LoadResult(rows, total, len(rejects), reasons, rejects_path)
+    if total == 0 or not rows:
+        raise DataError(f"{path}: no valid {kind} rows ({len(rejects)} rejected; see {rejects_path})")
+    if len(rejects) / total > max_reject_ratio:
+        raise DataError(
+            f"{path}: {len(rejects)} of {total} rows ({len(rejects) / total:.1%}) rejected, above "
+            f"max_reject_ratio={max_reject_ratio}; reasons: {dict(reasons)}; see {rejects_path}"
+        )
+    return result
+
+
+def _preview(row: dict, limit: int = 500) -> str:
+    text = json.dumps(row, ensure_ascii=True, default=repr)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -1,0 +1,127 @@
+"""Stage `prepare`: the task data in `data/` and the tiny base model in `artifacts/base/`.
+
+Reads top to bottom: config, data (generate, write, validate), tokenizer + model, save, manifest.
+At a user's site `sft.model_path` points at real weights and their own data replaces `data/`;
+this stage is how the project runs end to end with nothing downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhf_core.artifacts.manifest import input_record, write_manifest
+from rlhf_core.config import config_hash, config_to_dict, from_dict
+from rlhf_core.data.io import load_rows, write_jsonl
+from rlhf_core.data.task import TaskConfig, generate_task
+from rlhf_core.models.tiny import TinyModelConfig, build_model, build_tokenizer
+
+log = logging.getLogger("rlhf.prepare")
+
+# split name -> (file in data/, schema kind for validation)
+SPLITS = {"sft": ("sft.jsonl", "sft"), "pref": ("prefs.jsonl", "pref"), "rl": ("rl.jsonl", "rl"),
+          "eval": ("eval.jsonl", "rl"), "eval_pref": ("eval_prefs.jsonl", "pref")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    seed: int = 0
+    """Seeds the task generator and the model initialisation."""
+    data_dir: str = "data"
+    """Where the task data is written."""
+    output_dir: str = "artifacts/base"
+    """Where the base model and tokenizer are written."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The synthetic arithmetic task and its split sizes."""
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Size of the tiny Llama."""
+
+
+MODEL_CARD = """---
+library_name: transformers
+tags: [rlhf-pipeline, tiny-llama, base]
+---
+# Tiny base model (stage `prepare`)
+
+A randomly initialised Llama-architecture causal LM ({params:,} parameters, {layers} layers,
+hidden size {hidden}, head_dim 64) with a byte-level BPE tokenizer ({vocab} tokens) trained on the
+synthetic arithmetic task (`Q: 37+58= A:` -> ` 95`). It knows nothing yet: the `sft` stage teaches it.
+
+* data: {data_dir}/ ({counts})
+* config sha256: `{config_sha}`
+* seed: {seed}
+
+Load with `AutoModelForCausalLM.from_pretrained(path)` and `AutoTokenizer.from_pretrained(path)`.
+See `manifest.json` for the exact inputs and file hashes.
+"""
+
+
+def write_data(cfg: Config) -> dict[str, int]:
+    """Generate, write and validate every split; returns row counts."""
+    splits = generate_task(cfg.task, cfg.seed)
+    data_dir = Path(cfg.data_dir)
+    counts = {}
+    for name, (filename, kind) in SPLITS.items():
+        write_jsonl(data_dir / filename, splits[name])
+        # our own data goes through the same validation users' data does
+        result = load_rows(data_dir / filename, kind, rejects_path=data_dir / "rejects" / filename, max_reject_ratio=0.0)
+        counts[name] = len(result.rows)
+    return counts
+
+
+def build_base(cfg: Config, counts: dict[str, int]) -> dict:
+    """Train the tokenizer, build the model and save both atomically into `output_dir`."""
+    data_dir = Path(cfg.data_dir)
+    corpus = []
+    for name in ("sft", "pref", "rl"):  # training splits only
+        for line in open(data_dir / SPLITS[name][0]):
+            row = json.loads(line)
+            corpus.append(row["prompt"] + row.get("response", row.get("chosen", "")))
+    tokenizer = build_tokenizer(corpus, cfg.model.vocab_size)
+    model = build_model(cfg.model, tokenizer, cfg.seed)
+    params = sum(p.numel() for p in model.parameters())
+
+    out = Path(cfg.output_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    metrics = {"params": params, "vocab_size": len(tokenizer), **{f"rows/{k}": v for k, v in counts.items()}}
+    (tmp / "README.md").write_text(MODEL_CARD.format(
+        params=params, layers=cfg.model.num_layers, hidden=cfg.model.hidden_size, vocab=len(tokenizer),
+        data_dir=cfg.data_dir, counts=", ".join(f"{k}: {v}" for k, v in counts.items()),
+        config_sha=config_hash(cfg), seed=cfg.seed))
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return metrics
+
+
+def run(cfg: Config) -> dict:
+    t0 = time.time()
+    counts = write_data(cfg)
+    log.info("data: %s", ", ".join(f"{k}={v}" for k, v in counts.items()))
+    write_manifest(cfg.data_dir, stage="prepare-data", config=config_to_dict(cfg.task), config_sha256=config_hash(cfg.task),
+                   inputs=[], metrics={f"rows/{k}": v for k, v in counts.items()}, seed=cfg.seed)
+    metrics = build_base(cfg, counts)
+    write_manifest(cfg.output_dir, stage="prepare", config=config_to_dict(cfg), config_sha256=config_hash(cfg),
+                   inputs=[input_record(cfg.data_dir)], metrics=metrics, seed=cfg.seed)
+    log.info("base model: %s params, vocab %s -> %s (%.1fs)", f"{metrics['params']:,}", metrics["vocab_size"], cfg.output_dir, time.time() - t0)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Job entrypoint: `python -m stages.prepare --config resolved.json`."""
+    parser = argparse.ArgumentParser(prog="python -m stages.prepare")
+    parser.add_argument("--config", required=True, help="resolved config JSON (written by `rlhf`)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run(from_dict(Config, json.loads(Path(args.config).read_text()), prefix="prepare."))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.algos.losses import (
+    IS_CORRECTIONS, dpo_loss, entropy_bonus, entropy_from_logits, gspo_policy_loss, ppo_policy_loss,
+    rm_logexp_loss, rm_sigmoid_loss, sft_loss, token_logprobs, value_loss,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_token_logprobs_and_entropy():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]])
+    assert token_logprobs(logits, torch.tensor([[2]])).item() == pytest.approx(math.log(0.25))
+    assert entropy_from_logits(logits).item() == pytest.approx(math.log(4))
+
+
+def test_ppo_clip_hand_values():
+    # ratio 1.5 with A=+1 clips at 1+0.2 -> loss -1.2; ratio 0.5 with A=-1 clips at 0.8 -> loss 0.8
+    lp = torch.log(torch.tensor([[1.5, 0.5]]))
+    old = torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, -1.0]])
+    m = torch.ones(1, 2)
+    loss, stats = ppo_policy_loss(lp, old, adv, m)
+    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2)
+    assert stats["clipfrac"].item() == pytest.approx(1.0)
+    # clip-higher: upper bound 1.28 -> -1.28 for the first token
+    loss, _ = ppo_policy_loss(lp, old, adv, m, clip_low=0.2, clip_high=0.28)
+    assert loss.item() == pytest.approx((-1.28 + 0.8) / 2)
+
+
+def test_dual_clip_caps_negative_advantage_and_gradient():
+    # ratio 10, A = -1: standard PPO loss = max(10, 1.2) = 10; dual clip c=3 caps it at 3
+    lp = torch.log(torch.tensor([[10.0]])).requires_grad_()
+    adv = torch.tensor([[-1.0]])
+    loss, stats = ppo_policy_loss(lp, torch.zeros(1, 1), adv, torch.ones(1, 1), dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0)
+    assert stats["dual_clipfrac"].item() == 1.0
+    loss.backward()
+    assert lp.grad.item() == 0.0  # capped branch is constant: no gradient pushes the ratio further
+    lp2 = torch.log(torch.tensor([[10.0]])).requires_grad_()
+    loss2, _ = ppo_policy_loss(lp2, torch.zeros(1, 1), adv, torch.ones(1, 1))
+    loss2.backward()
+    assert lp2.grad.item() == pytest.approx(10.0)
+
+
+def test_ppo_on_policy_gradient_is_reinforce():
+    """At ratio 1 the PPO gradient equals -A * grad logprob (token-mean)."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    adv = torch.tensor([[2.0, -1.0, 0.5]])
+    loss, _ = ppo_policy_loss(lp, lp.detach(), adv, torch.ones(1, 3))
+    loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx((-adv / 3).tolist()[0])
+
+
+def test_extreme_log_ratios_stay_finite():
+    lp = torch.tensor([[100.0, -100.0]], requires_grad=True)
+    loss, stats = ppo_policy_loss(lp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), dual_clip=3.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and torch.isfinite(stats["approx_kl"])
+
+
+def test_gspo_sequence_ratio():
+    # per-token log ratios [0.2, -0.2] -> sequence ratio 1 -> loss = -A, gradient = -A/T per token
+    old = torch.zeros(1, 2)
+    lp = torch.tensor([[0.2, -0.2]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0]])
+    loss, stats = gspo_policy_loss(lp, old, adv, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-1.0)
+    loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([-0.5, -0.5])
+
+
+def test_is_weights_have_no_gradient_and_hand_values():
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.2]])).requires_grad_()
+    eng = torch.log(torch.tensor([[0.5, 0.3, 0.4]]))  # ratios 1, 3, 0.5
+    m = torch.ones(1, 3)
+    w, _ = IS_CORRECTIONS["tis"](old, eng, m, high=2.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 2.0, 0.5])
+    assert not w.requires_grad
+    w, s = IS_CORRECTIONS["icepop"](old, eng, m, low=0.6, high=2.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 0.0, 0.0])
+    assert s["is_masked_frac"].item() == pytest.approx(2 / 3)
+    # geometric mean ratio = (1*3*0.5)^(1/3) = 1.1447 -> kept with [0.5, 2]; dropped with high=1.1
+    w, _ = IS_CORRECTIONS["seq_mask_tis"](old, eng, m, low=0.5, high=2.0)
+    assert w.tolist()[0] == pytest.approx([1.0, 2.0, 0.5])
+    w, _ = IS_CORRECTIONS["seq_mask_tis"](old, eng, m, low=0.5, high=1.1)
+    assert w.tolist()[0] == [0.0, 0.0, 0.0]
+    # weights scale the policy loss but never carry gradient into the old log-probs
+    lp = torch.zeros(1, 3, requires_grad=True)
+    w, _ = IS_CORRECTIONS["tis"](old, eng, m, high=2.0)
+    loss, _ = ppo_policy_loss(lp, torch.zeros(1, 3), torch.ones(1, 3), m, is_weights=w)
+    loss.backward()
+    assert old.grad is None
+    assert lp.grad.tolist()[0] == pytest.approx([-1 / 3, -2 / 3, -0.5 / 3])
+
+
+def test_value_loss_clipping():
+    v = torch.tensor([[2.0]])
+    old_v = torch.tensor([[1.0]])
+    ret = torch.tensor([[1.0]])
+    # unclipped (2-1)^2 = 1, clipped V = 1.2 -> 0.04; max = 1 -> 0.5
+    loss, _ = value_loss(v, old_v, ret, torch.ones(1, 1), clip=0.2)
+    assert loss.item() == pytest.approx(0.5)
+    ret = torch.tensor([[3.0]])  # unclipped 1, clipped (1.2-3)^2 = 3.24 -> 1.62
+    loss, _ = value_loss(v, old_v, ret, torch.ones(1, 1), clip=0.2)
+    assert loss.item() == pytest.approx(1.62)
+
+
+def test_entropy_bonus_sign():
+    logits = torch.zeros(1, 2, 4)
+    loss, stats = entropy_bonus(logits, torch.ones(1, 2), coef=0.01)
+    assert loss.item() == pytest.approx(-0.01 * math.log(4))
+
+
+def test_sft_loss_masks_prompt():
+    lp = torch.tensor([[-5.0, -1.0, -3.0]])
+    mask = torch.tensor([[0, 1, 1]])
+    loss, _ = sft_loss(lp, mask)
+    assert loss.item() == pytest.approx(2.0)
+
+
+def test_rm_losses():
+    c, r = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    l1, s = rm_sigmoid_loss(c, r)
+    l2, _ = rm_logexp_loss(c, r)
+    expected = (math.log(1 + math.exp(-1)) + math.log(1 + math.exp(1))) / 2
+    assert l1.item() == pytest.approx(expected) and l2.item() == pytest.approx(expected)
+    assert s["accuracy"].item() == 0.5
+    l3, _ = rm_sigmoid_loss(c, r, margin=1.0)
+    assert l3.item() == pytest.approx((math.log(2) + math.log(1 + math.exp(2))) / 2)
+
+
+def test_dpo_family():
+    z = torch.zeros(2)
+    loss, stats = dpo_loss(z, z, z, z, beta=0.1)
+    assert loss.item() == pytest.approx(math.log(2))
+    pc, pr = torch.tensor([-1.0]), torch.tensor([-3.0])
+    rc, rr = torch.tensor([-2.0]), torch.tensor([-2.0])  # h = 1 - (-1) = 2
+    loss, stats = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    assert loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(1.0)).item())
+    assert stats["rewards/chosen"].item() == pytest.approx(0.5)
+    assert stats["rewards/rejected"].item() == pytest.approx(-0.5)
+    assert stats["rewards/accuracy"].item() == 1.0
+    loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo")
+    assert loss.item() == pytest.approx((2 - 1) ** 2)
+    loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="cdpo", label_smoothing=0.1)
+    expected = -0.9 * F.logsigmoid(torch.tensor(1.0)) - 0.1 * F.logsigmoid(torch.tensor(-1.0))
+    assert loss.item() == pytest.approx(expected.item())
+    loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, chosen_nll=torch.tensor([2.0]), nll_coef=0.5)
+    assert loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(1.0)).item() + 1.0)
+    with pytest.raises(ValueError, match="ipo"):
+        dpo_loss(pc, pr, rc, rr, loss_type="kto")

@@ -1,0 +1,82 @@
+import json
+
+import pytest
+
+from rlhf_core.data.io import DataError, load_rows
+
+pytestmark = pytest.mark.unit
+
+GOOD = {"prompt": "Q: 1+1= A:", "response": " 2"}
+
+
+def _write(path, lines):
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((json.dumps(line) if isinstance(line, dict) else line).encode() if not isinstance(line, bytes) else line)
+            f.write(b"\n")
+    return path
+
+
+def test_each_malformed_row_rejected_with_reason(tmp_path):
+    path = _write(tmp_path / "sft.jsonl", [
+        GOOD,
+        {"prompt": "Q: 1+2= A:"},                                  # missing key
+        {"prompt": "", "response": " 3"},                          # empty
+        {"prompt": "Q:", "response": 3},                           # wrong type
+        b'{"prompt": "Q: \xff\xfe", "response": " 1"}',            # non-UTF-8 bytes
+        '{"prompt": "\\ud800", "response": " 1"}',                 # lone surrogate
+        {"prompt": "x" * 50, "response": " 1"},                    # over max_chars
+        "{not json",
+        "[1, 2]",
+        {"id": 7, **GOOD},
+        {"id": 7, **GOOD},                                         # duplicate id
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"messages": [{"role": "user", "content": "hi"}]},         # no assistant turn
+    ])
+    rejects = tmp_path / "rejects.jsonl"
+    res = load_rows(path, "sft", rejects_path=rejects, max_chars=40, max_reject_ratio=1.0)
+    assert res.num_total == 13 and len(res.rows) == 3 and res.num_rejected == 10
+    reasons = [json.loads(line)["reason"] for line in rejects.read_text().splitlines()]
+    lines = [json.loads(line)["line"] for line in rejects.read_text().splitlines()]
+    assert lines == [2, 3, 4, 5, 6, 7, 8, 9, 11, 13]
+    expected = ["missing key 'response'", "empty 'prompt'", "'response' must be a string", "not valid UTF-8",
+                "lone surrogate", "over max_chars=40", "invalid JSON", "not a JSON object", "duplicate id 7", "no assistant turn"]
+    for needle, reason in zip(expected, reasons):
+        assert needle in reason, (needle, reason)
+
+
+def test_reject_ratio_fails_loudly(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [GOOD] * 8 + [{"prompt": "a"}] * 2)
+    with pytest.raises(DataError, match=r"2 of 10 rows \(20.0%\) rejected.*missing key"):
+        load_rows(path, "sft", rejects_path=tmp_path / "r.jsonl", max_reject_ratio=0.1)
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 2  # rejects kept for inspection
+    assert len(load_rows(path, "sft", rejects_path=tmp_path / "r.jsonl", max_reject_ratio=0.2).rows) == 8
+
+
+def test_pref_and_rl_rules(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": " 1", "rejected": " 2"}, {"prompt": "p", "chosen": " 1", "rejected": " 1"}])
+    res = load_rows(path, "pref", rejects_path=tmp_path / "r.jsonl", max_reject_ratio=1.0)
+    assert len(res.rows) == 1 and "chosen == rejected" in next(iter(res.reasons))
+    path = _write(tmp_path / "rl.jsonl", [{"prompt": "p", "label": 5}, {"prompt": "p", "label": [5]}])
+    res = load_rows(path, "rl", rejects_path=tmp_path / "r.jsonl", max_reject_ratio=1.0)
+    assert res.rows[0]["label"] == "5" and res.num_rejected == 1
+
+
+def test_parquet_and_hf_dataset_dir(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    rows = [GOOD, {"prompt": "Q: 2+2= A:", "response": " 4"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert load_rows(tmp_path / "d.parquet", "sft", rejects_path=tmp_path / "r.jsonl").rows == rows
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    assert load_rows(tmp_path / "hf", "sft", rejects_path=tmp_path / "r.jsonl").rows == rows
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_rows(tmp_path / "nope.jsonl", "sft", rejects_path=tmp_path / "r.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported data format"):
+        load_rows(tmp_path / "x.csv", "sft", rejects_path=tmp_path / "r.jsonl")

@@ -1,0 +1,59 @@
+import pytest
+
+from rlhf_core.data.task import TaskConfig, _evaluate, check_no_overlap, generate_task
+
+pytestmark = pytest.mark.unit
+
+SMALL = TaskConfig(num_sft=300, num_pref=200, num_rl=200, num_eval=50, num_eval_pref=50)
+
+
+def _answer(prompt: str) -> int:
+    expr = prompt.removeprefix("Q: ").removesuffix("= A:")
+    terms = expr.replace("-", " - ").replace("+", " + ").split()
+    nums, ops = [int(t) for t in terms[::2]], terms[1::2]
+    return _evaluate(nums, ops)
+
+
+def test_deterministic_and_seeded():
+    assert generate_task(SMALL, seed=1) == generate_task(SMALL, seed=1)
+    assert generate_task(SMALL, seed=1) != generate_task(SMALL, seed=2)
+
+
+def test_labels_correct_and_wrong_fraction():
+    s = generate_task(SMALL, seed=0)
+    assert {k: len(v) for k, v in s.items()} == {"eval": 50, "eval_pref": 50, "sft": 300, "pref": 200, "rl": 200}
+    for row in s["rl"] + s["eval"]:
+        assert row["label"] == str(_answer(row["prompt"]))
+    wrong = [r for r in s["sft"] if not r["correct"]]
+    assert len(wrong) == 30
+    for r in s["sft"]:
+        assert (r["response"].strip() == str(_answer(r["prompt"]))) == r["correct"]
+    for r in s["pref"] + s["eval_pref"]:
+        assert r["chosen"].strip() == str(_answer(r["prompt"]))
+        assert r["rejected"] != r["chosen"] and int(r["rejected"]) >= 0
+
+
+def test_no_overlap_and_overlap_detected():
+    s = generate_task(SMALL, seed=0)
+    held = {r["prompt"] for r in s["eval"] + s["eval_pref"]}
+    assert not held & {r["prompt"] for name in ("sft", "pref", "rl") for r in s[name]}
+    s["rl"].append(dict(s["eval"][0]))
+    with pytest.raises(ValueError, match="leaked into rl"):
+        check_no_overlap(s)
+
+
+def test_precedence_and_knobs():
+    assert _evaluate([2, 3, 4], ["+", "*"]) == 14
+    assert _evaluate([10, 2, 3], ["-", "-"]) == 5
+    s = generate_task(TaskConfig(operations=("*",), max_value=9, num_operands=3, num_sft=20, num_pref=5, num_rl=5, num_eval=5, num_eval_pref=5), seed=0)
+    assert all(r["prompt"].count("*") == 2 for r in s["sft"])
+
+
+def test_too_small_space_is_a_clear_error():
+    with pytest.raises(ValueError, match="too small"):
+        generate_task(TaskConfig(max_value=3, num_sft=500), seed=0)
+
+
+def test_bad_knobs():
+    with pytest.raises(ValueError, match="operations"):
+        TaskConfig(operations=("/",))
