@@ -1,6 +1,7 @@
 """The `rlhf` command.
 
   rlhf prepare [--set k=v ...]            task data in data/ + tiny base model in artifacts/base/
+  rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head)
   rlhf config show STAGE [--set k=v ...]  the resolved config of a stage, as JSON
   rlhf data check PATH --kind KIND        validate a user data file; rejects go to a file
 
@@ -20,7 +21,7 @@ from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_conf
 from rlhf_core.data.io import DataError, load_rows
 
 # stage name -> module with `Config` and `run(cfg)`; one line per stage
-STAGES = {"prepare": "stages.prepare"}
+STAGES = {"prepare": "stages.prepare", "sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo"}
 
 
 def _stage_module(name: str):
@@ -37,6 +38,21 @@ def _resolve(stage: str, args) -> object:
 def cmd_prepare(args) -> int:
     cfg = _resolve("prepare", args)
     _stage_module("prepare").run(cfg)
+    return 0
+
+
+def cmd_stage_run(args) -> int:
+    from rlhf_core.runtime.cluster import job_server
+    from rlhf_core.runtime.jobs import JobFailed, forward_env, submit_and_wait, write_resolved_config
+
+    cfg = _resolve(args.stage, args)
+    path = write_resolved_config(args.stage, config_to_dict(cfg), cfg.output_dir)
+    try:
+        with job_server() as address:
+            submit_and_wait(address, args.stage, path, forward_env())
+    except JobFailed as e:
+        print(f"rlhf: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -67,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_config(sub.add_parser("prepare", help="write task data to data/ and the tiny base model to artifacts/base/"))
     p.set_defaults(func=cmd_prepare)
+
+    stage = sub.add_parser("stage", help="run pipeline stages").add_subparsers(dest="stage_command", required=True)
+    p = with_config(stage.add_parser("run", help="run one stage as a Ray job; resumes from its last checkpoint"))
+    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
+    p.set_defaults(func=cmd_stage_run)
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     p = with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))

@@ -6,7 +6,6 @@ this stage is how the project runs end to end with nothing downloaded.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_core.artifacts.manifest import input_record, write_manifest
-from rlhf_core.config import config_hash, config_to_dict, from_dict
+from rlhf_core.config import config_hash, config_to_dict
 from rlhf_core.data.io import load_rows, write_jsonl
 from rlhf_core.data.task import TaskConfig, generate_task
 from rlhf_core.models.tiny import TinyModelConfig, build_model, build_tokenizer
@@ -116,11 +115,9 @@ def run(cfg: Config) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Job entrypoint: `python -m stages.prepare --config resolved.json`."""
-    parser = argparse.ArgumentParser(prog="python -m stages.prepare")
-    parser.add_argument("--config", required=True, help="resolved config JSON (written by `rlhf`)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(from_dict(Config, json.loads(Path(args.config).read_text()), prefix="prepare."))
+    from rlhf_core.training.common import stage_main
+
+    stage_main(Config, "prepare", run, argv, needs_ray=False)
 
 
 if __name__ == "__main__":

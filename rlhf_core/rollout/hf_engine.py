@@ -1,0 +1,23 @@
+"""HF `generate` as a rollout engine: batched, left-padded, token ids in and out."""
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_id: int, batch_size: int = 64) -> list[list[int]]:
+    """Greedy continuation of each prompt (ids without the prompt, cut after the first EOS)."""
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+        for row in gen[:, width:].tolist():
+            out.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
+    return out

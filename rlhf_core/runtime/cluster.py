@@ -1,0 +1,113 @@
+"""Where stages run: the cluster at `RAY_ADDRESS`, or an embedded local Ray head.
+
+The embedded head binds its dashboard/job server to 127.0.0.1 on free ports, is started by us
+as one child process (`ray start --head --block`) in its own process group, and is stopped by
+signalling that group — never `ray stop`, which would kill every Ray process on the host.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger("rlhf.cluster")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+class LocalRayHead:
+    """A Ray head on this machine, owned by this process.  Use as a context manager."""
+
+    def __init__(self, num_cpus: int | None = None, startup_timeout: float = 120.0):
+        self.num_cpus = num_cpus or os.cpu_count() or 1
+        self.startup_timeout = startup_timeout
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log_file = tempfile.NamedTemporaryFile(prefix="rlhf-ray-head-", suffix=".log", delete=False)
+
+    @property
+    def job_address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self) -> "LocalRayHead":
+        cmd = [
+            _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
+            f"--port={self.gcs_port}", "--node-ip-address=127.0.0.1",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}", f"--num-cpus={self.num_cpus}",
+        ]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS", None)
+        log.info("starting local Ray head (dashboard %s)", self.job_address)
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray head exited with code {self.proc.returncode}; log: {self.log_file.name}\n{self._tail()}")
+            if self._job_server_up():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"ray head did not come up within {self.startup_timeout:.0f}s; log: {self.log_file.name}\n{self._tail()}")
+
+    def _job_server_up(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.job_address}/api/version", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _tail(self, n: int = 4000) -> str:
+        return Path(self.log_file.name).read_text(errors="replace")[-n:]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM our head's process group (ray start --block tears its daemons down), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        self.proc.wait(10)
+        log.info("stopped local Ray head")
+
+    def __enter__(self) -> "LocalRayHead":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def job_server():
+    """Yield the job-submission address: `RAY_ADDRESS` (a cluster's dashboard URL, or
+    `ray://host:10001` whose dashboard is on 8265) or a fresh embedded head, stopped afterwards."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        if address.startswith("ray://"):
+            address = "http://" + address[len("ray://"):].rsplit(":", 1)[0] + ":8265"
+        yield address
+        return
+    with LocalRayHead() as head:
+        yield head.job_address

@@ -1,0 +1,67 @@
+"""Run a stage as a Ray job: `python -m stages.STAGE --config resolved.json`, logs streamed."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("rlhf.jobs")
+
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class JobFailed(RuntimeError):
+    """The stage's Ray job did not succeed; the message carries the job's error."""
+
+
+def write_resolved_config(stage: str, config: dict, output_dir: str | Path) -> Path:
+    """The resolved config is the only thing the job receives; it lives beside the artifact."""
+    path = Path(output_dir) / "config.resolved.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"stage": stage, "config": config}, indent=2, sort_keys=True))
+    return path
+
+
+def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None,
+                    poll_s: float = 1.0, out=sys.stdout) -> str:
+    """Submit the stage job to the job server at `address`, stream its logs to `out`, and
+    return the job id; raise `JobFailed` with the job's message and log tail on failure.
+    Ctrl-C stops the job before re-raising."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    cwd = Path.cwd().resolve()
+    entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m stages.{stage} --config {shlex.quote(str(config_path.resolve()))}"
+    env = {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env}, metadata={"stage": stage})
+    log.info("submitted %s as Ray job %s", stage, job_id)
+    printed = 0
+    try:
+        while True:
+            status = str(client.get_job_status(job_id).value)
+            logs = client.get_job_logs(job_id)
+            if len(logs) > printed:
+                out.write(logs[printed:])
+                out.flush()
+                printed = len(logs)
+            if status in TERMINAL:
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopping Ray job %s", job_id)
+        client.stop_job(job_id)
+        raise
+    if status != "SUCCEEDED":
+        info = client.get_job_info(job_id)
+        raise JobFailed(f"stage {stage} (Ray job {job_id}) {status}: {info.message}\n--- log tail ---\n{logs[-3000:]}")
+    return job_id
+
+
+def forward_env() -> dict[str, str]:
+    """Environment the job needs from ours (threading, offline flags); never secrets."""
+    keys = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "RLHF_FAULT")
+    return {k: os.environ[k] for k in keys if k in os.environ}

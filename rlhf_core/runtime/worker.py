@@ -1,0 +1,113 @@
+"""A data-parallel training worker: one DeepSpeed rank, run as a Ray actor.
+
+The driver (a stage's `main`, itself the Ray job) owns the data and the loop; workers own the
+model.  Stage-specific maths arrives as a function `loss_fn(model, batch, counts) -> (loss, stats)`
+(pickled by reference from the stage module), so this class is the same for sft, rm and dpo.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlhf_core.training.config import TrainConfig
+from rlhf_core.training.engine import build_engine, init_distributed, load_model
+
+
+class TrainWorker:
+    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, model_kind: str, cfg: TrainConfig, pad_token_id: int | None = None):
+        self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
+        torch.manual_seed(cfg.seed + rank)
+        random.seed(cfg.seed + rank)
+        np.random.seed(cfg.seed + rank)
+        init_distributed(rank, world_size, master_port)
+        model = load_model(model_path, model_kind, cfg)
+        if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
+            model.config.pad_token_id = pad_token_id  # sequence classification finds the last token by it
+        self.engine = build_engine(model, cfg)
+
+    # --- training -------------------------------------------------------------------------
+
+    def train_step(self, batch: dict, loss_fn, counts: dict) -> dict:
+        """One optimizer step on this rank's shard.  If any rank's loss is non-finite, every
+        rank skips backward and the update (no collective is left half done)."""
+        self.engine.train()
+        loss, stats = loss_fn(self.engine, batch, counts)
+        finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0])
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if finite.item() == 0.0:
+            self.engine.zero_grad()
+            return {"skipped": 1.0, "loss": float("nan")}
+        # DeepSpeed averages gradients over ranks; the loss is normalised by global counts, so
+        # scaling by world_size makes the update equal to the single-process one.
+        self.engine.backward(loss * self.world_size)
+        self.engine.step()
+        out = {k: float(v) for k, v in stats.items()}
+        out.update(loss=float(loss.detach()), skipped=0.0, lr=self.engine.get_lr()[0],
+                   grad_norm=float(self.engine.get_global_grad_norm() or 0.0))
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict], eval_fn) -> list:
+        """`eval_fn(model, batch) -> list` over batches, concatenated (forward only)."""
+        self.engine.eval()
+        out = []
+        for batch in batches:
+            out.extend(eval_fn(self.engine.module, batch))
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_id: int, batch_size: int) -> list[list[int]]:
+        """Greedy continuations (token ids, without the prompt), left-padded batches."""
+        from rlhf_core.rollout.hf_engine import greedy_generate
+
+        self.engine.eval()
+        return greedy_generate(self.engine.module, prompts, max_new_tokens, pad_token_id, eos_token_id, batch_size)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, tmp_dir: str) -> None:
+        """Engine (model, optimizer, scheduler) via DeepSpeed, plus this rank's RNG states."""
+        self.engine.save_checkpoint(str(Path(tmp_dir) / "engine"), tag="state", save_latest=False)
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        rng = {"torch": torch.get_rng_state(), "python": list(random.getstate()),
+               "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+        torch.save(rng, Path(tmp_dir) / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "engine"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the engine state from {ckpt_dir}")
+        rng = torch.load(Path(ckpt_dir) / f"rng_rank{self.rank}.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        version, state, gauss = rng["python"]
+        random.setstate((version, tuple(state), gauss))
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+    def save_model(self, out_dir: str) -> None:
+        """HF format (safetensors) from rank 0; ZeRO-3 parameters are gathered first."""
+        if self.cfg.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None):
+                if self.rank == 0:
+                    self.engine.module.save_pretrained(out_dir, safe_serialization=True)
+        elif self.rank == 0:
+            self.engine.module.save_pretrained(out_dir, safe_serialization=True)
+        dist.barrier()
+
+    def state_fingerprint(self) -> str:
+        """sha256 over all parameters (exact-resume tests compare these)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in sorted(self.engine.module.state_dict().items()):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()

@@ -1,0 +1,120 @@
+"""Driver-side helpers the training stages share: tokenizer, data, eval, card, manifest, main()."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rlhf_core.artifacts.manifest import hash_tree, input_record, write_manifest
+from rlhf_core.config import config_hash, config_to_dict, from_dict
+from rlhf_core.data.io import DataError, load_rows
+from rlhf_core.data.tokenize import pad_batch, prompt_ids
+from rlhf_core.evaluation import exact_match_accuracy
+from rlhf_core.training.config import TrainConfig
+from rlhf_core.training.engine import check_model_path
+
+log = logging.getLogger("rlhf.stage")
+
+
+def load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
+
+    check_model_path(cfg.model_path)
+    tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # common for hub models; padding is masked everywhere
+    return tok
+
+
+def prompt_formatter(tokenizer, use_chat_template: bool):
+    """row -> prompt token ids, optionally through the tokenizer's chat template."""
+    if use_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("use_chat_template is set but the tokenizer has no chat template")
+    if use_chat_template:
+        return lambda row: tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True)
+    return lambda row: prompt_ids(tokenizer, row)
+
+
+def response_text(row: dict) -> str:
+    return row["response"] if "response" in row else row["messages"][-1]["content"]
+
+
+def load_data(path: str, kind: str, cfg: TrainConfig, rejects_path: Path) -> list[dict]:
+    result = load_rows(path, kind, rejects_path=rejects_path, max_chars=cfg.max_chars, max_reject_ratio=cfg.max_reject_ratio)
+    if result.num_rejected:
+        log.warning("%s: %d of %d rows rejected (%s); see %s", path, result.num_rejected, result.num_total, dict(result.reasons), rejects_path)
+    return result.rows
+
+
+def check_too_long(rejects: list[dict], total: int, cfg: TrainConfig, path: Path) -> None:
+    """Rows over max_len tokens are rejected with a reason, counted, and fail the load above the ratio."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rejects))
+    if rejects:
+        log.warning("%d of %d rows over max_len=%d tokens rejected; see %s", len(rejects), total, cfg.max_len, path)
+    if total and len(rejects) / total > cfg.max_reject_ratio:
+        raise DataError(f"{len(rejects)} of {total} rows are over max_len={cfg.max_len} tokens, above max_reject_ratio={cfg.max_reject_ratio}; see {path}")
+
+
+class Collate:
+    def __init__(self, pad_id: int, keys=("input_ids", "loss_mask")):
+        self.pad_id, self.keys = pad_id, keys
+
+    def __call__(self, examples: list[dict]) -> dict:
+        return pad_batch(examples, self.pad_id, self.keys)
+
+
+def eval_accuracy(group, tokenizer, prompts: list[list[int]], labels: list[str], cfg: TrainConfig) -> dict:
+    """`eval/accuracy`: greedy completion (up to EOS), cut at newline, stripped, == label."""
+    outs = group.call_rank0("generate", prompts, cfg.eval_max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.eval_batch_size)
+    texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+    return {"eval/accuracy": exact_match_accuracy(texts, labels)}
+
+
+def data_fingerprint(cfg: TrainConfig) -> str:
+    """Everything that fixes which sample lands in which step; a change makes resume unsafe."""
+    parts = {"train": hash_tree(cfg.train_data), "seed": cfg.seed, "batch": cfg.global_batch_size, "max_len": cfg.max_len}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def model_card(stage: str, cfg: TrainConfig, metrics: dict, what: str) -> str:
+    rows = "\n".join(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |" for k, v in sorted(metrics.items()))
+    return (f"---\nlibrary_name: transformers\ntags: [rlhf-pipeline, {stage}]\n---\n# `{stage}` model\n\n{what}\n\n"
+            f"* start model: `{cfg.model_path}`\n* train data: `{cfg.train_data}`\n* eval data: `{cfg.eval_data}`\n"
+            f"* steps: {cfg.max_steps}, global batch {cfg.global_batch_size}, lr {cfg.lr}, seed {cfg.seed}, "
+            f"{cfg.num_workers} worker(s), ZeRO stage {cfg.zero_stage}\n* config sha256: `{config_hash(cfg)}`\n\n"
+            f"| metric | value |\n|---|---|\n{rows}\n\nSee `../manifest.json` for exact inputs and file hashes.\n")
+
+
+def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict) -> None:
+    """metrics.json + manifest.json (checkpoints/ excluded: they carry their own checksums)."""
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    inputs = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data) if p and Path(p).exists()]
+    run_ids = {k: os.environ[v] for k, v in (("ray_job_id", "RAY_JOB_ID"),) if v in os.environ}
+    write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,
+                   metrics=metrics, seed=cfg.seed, run_ids=run_ids)
+    log.info("%s done: %s", stage, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(metrics.items())}))
+
+
+def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray: bool = True) -> None:
+    """`python -m stages.STAGE --config resolved.json`: the Ray job entrypoint."""
+    parser = argparse.ArgumentParser(prog=f"python -m stages.{section}")
+    parser.add_argument("--config", required=True, help="resolved config JSON written by `rlhf stage run`")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    data = json.loads(Path(args.config).read_text())
+    cfg = from_dict(cls, data.get("config", data), prefix=f"{section}.")
+    if not needs_ray:
+        run(cfg)
+        return
+    import ray
+
+    ray.init(address="auto" if os.environ.get("RAY_ADDRESS") else None, logging_level=logging.WARNING)
+    try:
+        run(cfg)
+    finally:
+        ray.shutdown()

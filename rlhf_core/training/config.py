@@ -1,0 +1,65 @@
+"""Fields every training stage has (ARCHITECTURE.md §3); stage configs inherit and add their own."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model_path: str | None = None
+    """Start model (HF dir or hub id); default: the upstream stage's `model/`."""
+    train_data: str = ""
+    """Training data file (JSONL/Parquet/HF datasets dir)."""
+    eval_data: str = ""
+    """Held-out eval data."""
+    output_dir: str = ""
+    """Default artifacts/STAGE."""
+    max_steps: int = 100
+    """Optimizer steps in total (a resumed run continues up to this)."""
+    save_steps: int = 50
+    """Checkpoint every N steps (and at the end)."""
+    eval_steps: int = 0
+    """Evaluate every N steps (0: only before and after training)."""
+    log_steps: int = 10
+    """Log a line every N steps."""
+    seed: int = 0
+    num_workers: int = 1
+    """Data-parallel training workers (Ray actors), one DeepSpeed rank each."""
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all workers."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    lr_scheduler: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    max_len: int = 64
+    """Max tokens of prompt + response; longer rows are rejected (counted) at load time."""
+    max_chars: int = 4096
+    max_reject_ratio: float = 0.05
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    resume: bool = True
+    """Resume from checkpoints/latest when present; false wipes old checkpoints and starts over."""
+    max_nan_steps: int = 5
+    """Abort after this many consecutive steps with a non-finite loss (each is skipped and counted)."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a hub model; off unless you trust it."""
+    eval_max_new_tokens: int = 8
+    eval_batch_size: int = 64
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        if self.global_batch_size % self.num_workers:
+            raise ValueError(f"global_batch_size {self.global_batch_size} must divide evenly over num_workers {self.num_workers}")
+        if self.max_steps < 1 or self.save_steps < 1:
+            raise ValueError("max_steps and save_steps must be >= 1")
+
+    @property
+    def per_worker_batch(self) -> int:
+        return self.global_batch_size // self.num_workers

@@ -1,0 +1,213 @@
+"""The supervised training loop shared by sft, rm and dpo (the stage supplies data and maths).
+
+Driver side of a Ray job: places `num_workers` TrainWorker actors in a placement group, feeds
+them deterministic global batches, checkpoints atomically, resumes exactly, evaluates, and
+writes the final model.  Exactness of resume rests on: a data order that is a pure function of
+(seed, epoch) and the consumed-sample counter; engine + RNG state in every checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rlhf_core.training import checkpoint as ckpt
+from rlhf_core.training.config import TrainConfig
+
+log = logging.getLogger("rlhf.train")
+
+
+class ResumeError(RuntimeError):
+    """A resume that would skip, replay or train nothing."""
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def take(n: int, seed: int, consumed: int, k: int) -> list[int]:
+    """Indices of samples consumed..consumed+k-1 in the endless sequence of seeded epochs."""
+    out = []
+    while len(out) < k:
+        epoch, offset = divmod(consumed + len(out), n)
+        out.extend(epoch_order(n, seed, epoch)[offset : offset + k - len(out)])
+    return out
+
+
+@dataclass
+class StageSpec:
+    """What a stage hands to the loop."""
+    name: str
+    model_path: str
+    model_kind: str  # "causal_lm" | "reward"
+    examples: list[dict]
+    collate: Callable[[list[dict]], dict]
+    loss_fn: Callable
+    counts: Callable[[list[dict]], dict]
+    evaluate: Callable[["WorkerGroup"], dict]
+    data_fingerprint: str
+    pad_token_id: int | None = None
+    extra_state: dict = field(default_factory=dict)
+
+
+class WorkerGroup:
+    """N TrainWorker actors in one placement group (PACK: one bundle per worker)."""
+
+    def __init__(self, spec: StageSpec, cfg: TrainConfig):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlhf_core.runtime.cluster import free_port
+        from rlhf_core.runtime.worker import TrainWorker
+
+        bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if cfg.gpus_per_worker else {})}
+        self.pg = placement_group([bundle] * cfg.num_workers, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=300)
+        port = free_port()
+        actor = ray.remote(TrainWorker)
+        self.workers = [
+            actor.options(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote(
+                r, cfg.num_workers, port, spec.model_path, spec.model_kind, cfg, spec.pad_token_id)
+            for r in range(cfg.num_workers)
+        ]
+        self.call("state_fingerprint")  # surfaces construction errors now, not mid-step
+        self.zero3 = cfg.zero_stage == 3
+
+    def call(self, method: str, *args, timeout: float = 3600) -> list:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=timeout)
+
+    def call_rank0(self, method: str, *args):
+        """Rank 0's result; under ZeRO-3 every rank must take part in the forward."""
+        return self.call(method, *args)[0] if self.zero3 else __import__("ray").get(getattr(self.workers[0], method).remote(*args))
+
+    def train_step(self, examples: list[dict], collate, loss_fn, counts: dict) -> list[dict]:
+        import ray
+
+        n = len(self.workers)
+        return ray.get([w.train_step.remote(collate(examples[r::n]), loss_fn, counts) for r, w in enumerate(self.workers)])
+
+
+def _maybe_inject_fault(step: int) -> None:
+    """Fault injection for the reliability tests: RLHF_FAULT=sigkill_after_step:K."""
+    fault = os.environ.get("RLHF_FAULT", "")
+    if fault.startswith("sigkill_after_step:") and step == int(fault.split(":")[1]):
+        log.warning("RLHF_FAULT: SIGKILL after step %d", step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_checkpoint(group: WorkerGroup, ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
+    tmp = ckpt.begin(ckpt_dir, step)
+    group.call("save_checkpoint", str(tmp))
+    ckpt.commit(ckpt_dir, tmp, step, state, keep)
+    log.info("checkpoint %s", ckpt.step_name(step))
+
+
+def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup, dict]:
+    """Run (or resume) training to `cfg.max_steps`; returns the worker group and metrics."""
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    ckpt_dir = out_dir / "checkpoints"
+    if not cfg.resume:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.clean_stale(ckpt_dir)
+    found = ckpt.find_resumable(ckpt_dir)
+    if found and found[1]["step"] >= cfg.max_steps:
+        raise ResumeError(f"{found[0]} is at step {found[1]['step']} >= max_steps={cfg.max_steps}: nothing to train. "
+                          f"Raise {spec.name}.max_steps, or --set {spec.name}.resume=false to start over.")
+    if found and found[1]["data_fingerprint"] != spec.data_fingerprint:
+        raise ResumeError(f"{found[0]} was trained on different data (fingerprint changed): resuming would skip or replay "
+                          f"samples. --set {spec.name}.resume=false to start over.")
+
+    group = WorkerGroup(spec, cfg)
+    if found:
+        path, state = found
+        group.call("load_checkpoint", str(path))
+        log.info("resumed from %s (step %d, %d samples consumed)", path.name, state["step"], state["consumed"])
+    else:
+        state = {"step": 0, "consumed": 0, "nan_skipped": 0, "data_fingerprint": spec.data_fingerprint, "init_metrics": {}, **spec.extra_state}
+        state["init_metrics"] = {k + "_init": v for k, v in spec.evaluate(group).items()}
+        log.info("before training: %s", state["init_metrics"])
+
+    history_path = out_dir / "train_history.jsonl"
+    if not found:
+        history_path.unlink(missing_ok=True)
+        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
+    elif history_path.exists():  # drop rows a killed run logged after its last checkpoint
+        rows = [line for line in history_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+        history_path.write_text("".join(line + "\n" for line in rows))
+    writer = SummaryWriter(str(out_dir / "tensorboard"))
+    n, streak, t0, tokens = len(spec.examples), 0, time.time(), 0
+    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=spec.name, unit="step", dynamic_ncols=True, mininterval=2)
+    metrics: dict = {}
+    while state["step"] < cfg.max_steps:
+        idx = take(n, cfg.seed, state["consumed"], cfg.global_batch_size)
+        batch = [spec.examples[i] for i in idx]
+        results = group.train_step(batch, spec.collate, spec.loss_fn, spec.counts(batch))
+        state["step"] += 1
+        state["consumed"] += len(batch)
+        step = state["step"]
+        if any(r["skipped"] for r in results):
+            streak += 1
+            state["nan_skipped"] += 1
+            log.warning("step %d: non-finite loss, update skipped (%d in a row, %d total)", step, streak, state["nan_skipped"])
+            if streak >= cfg.max_nan_steps:
+                raise FloatingPointError(f"{streak} consecutive steps with a non-finite loss (max_nan_steps={cfg.max_nan_steps}); "
+                                         f"aborting without checkpointing. Lower {spec.name}.lr or check the data.")
+        else:
+            streak = 0
+        tokens += sum(len(e["input_ids"]) for e in batch) if "input_ids" in batch[0] else 0
+        row = {"step": step, **{k: sum(r[k] for r in results) / len(results) for k in results[0]}}
+        for k, v in row.items():
+            if k != "step":
+                writer.add_scalar(f"train/{k}", v, step)
+        with open(history_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        bar.update(1)
+        if step % cfg.log_steps == 0 or step == cfg.max_steps:
+            elapsed = time.time() - t0
+            log.info("step %d/%d loss %.4f lr %.2e | %.0f tok/s | ETA %.0fs", step, cfg.max_steps, row["loss"], row["lr"] if "lr" in row else 0,
+                     tokens / max(elapsed, 1e-9), elapsed / max(1, step - (bar.initial or 0)) * (cfg.max_steps - step))
+        if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
+            for k, v in spec.evaluate(group).items():
+                writer.add_scalar(k, v, step)
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:
+            save_checkpoint(group, ckpt_dir, step, state, cfg.keep_checkpoints)
+        _maybe_inject_fault(step)
+    bar.close()
+    metrics = spec.evaluate(group)
+    for k, v in metrics.items():
+        writer.add_scalar(k, v, state["step"])
+    writer.close()
+    metrics.update(state["init_metrics"])
+    metrics.update({"train/steps": state["step"], "train/nan_skipped": state["nan_skipped"], "train/wall_s": round(time.time() - t0, 1)})
+    last = json.loads(history_path.read_text().splitlines()[-1]) if history_path.exists() else {}
+    if "loss" in last:
+        metrics["train/loss"] = last["loss"]
+    return group, metrics
+
+
+def save_final_model(group: WorkerGroup, out_dir: Path, tokenizer, card: str) -> Path:
+    """model/ written to a temp dir (HF format + tokenizer + card), then renamed into place."""
+    final, tmp = out_dir / "model", out_dir / ".tmp-model"
+    shutil.rmtree(tmp, ignore_errors=True)
+    group.call("save_model", str(tmp))
+    tokenizer.save_pretrained(tmp)
+    (tmp / "README.md").write_text(card)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final

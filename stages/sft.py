@@ -1,0 +1,94 @@
+"""Stage `sft`: prompt-masked NLL on `prompt,response` (or chat `messages`) rows.
+
+Reads top to bottom: config, data, maths (loss + eval), main.  The loop, workers, checkpoints
+and resume are shared (`rlhf_core.training.loop`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_core.algos.losses import sft_loss, token_logprobs
+from rlhf_core.data.tokenize import pad_batch, prompt_ids, prompt_response, tokenize_rows
+from rlhf_core.training import common
+from rlhf_core.training.config import TrainConfig
+from rlhf_core.training.loop import StageSpec, save_final_model, train
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(TrainConfig):
+    model_path: str | None = "artifacts/base"
+    train_data: str = "data/sft.jsonl"
+    eval_data: str = "data/eval.jsonl"
+    output_dir: str = "artifacts/sft"
+    max_steps: int = 400
+    save_steps: int = 100
+    lr: float = 2e-3
+    use_chat_template: bool = False
+    """Wrap `prompt` as a user turn with the tokenizer's chat template (error if it has none)."""
+    label_prefix: str = " "
+    """How an eval label is written as a response, for `eval/loss` (` 95` for label `95`)."""
+
+
+# --- maths: run inside the workers ---------------------------------------------------------
+
+
+def loss_fn(model, batch, counts):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
+    return sft_loss(logprobs, batch["loss_mask"][:, 1:], num_tokens=counts["num_tokens"])
+
+
+def nll_fn(model, batch):
+    """Per example (summed NLL, tokens) of the response."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
+    mask = batch["loss_mask"][:, 1:].float()
+    return list(zip((-(logprobs * mask).sum(-1)).tolist(), mask.sum(-1).tolist()))
+
+
+def count_tokens(batch: list[dict]) -> dict:
+    return {"num_tokens": sum(sum(e["loss_mask"]) for e in batch)}
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
+    tokenizer = common.load_tokenizer(cfg)
+    format_prompt = common.prompt_formatter(tokenizer, cfg.use_chat_template)
+    rows = common.load_data(cfg.train_data, "sft", cfg, out_dir / "rejects" / "train.jsonl")
+    examples, too_long = tokenize_rows(rows, lambda r: prompt_response(tokenizer, format_prompt(r), common.response_text(r), cfg.max_len), cfg.max_len)
+    common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
+    eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
+    eval_prompts = [format_prompt(r) for r in eval_rows]
+    eval_examples, _ = tokenize_rows(eval_rows, lambda r: prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len), cfg.max_len)
+    collate = common.Collate(tokenizer.pad_token_id)
+
+    def evaluate(group) -> dict:
+        metrics = common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
+        nll = group.call_rank0("evaluate", [collate(eval_examples[i:i + cfg.eval_batch_size]) for i in range(0, len(eval_examples), cfg.eval_batch_size)], nll_fn)
+        metrics["eval/loss"] = sum(s for s, _ in nll) / max(1.0, sum(n for _, n in nll))
+        return metrics
+
+    spec = StageSpec(name="sft", model_path=cfg.model_path, model_kind="causal_lm", examples=examples, collate=collate,
+                     loss_fn=loss_fn, counts=count_tokens, evaluate=evaluate,
+                     data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
+    return spec, tokenizer
+
+
+def run(cfg: Config) -> dict:
+    out_dir = Path(cfg.output_dir)
+    spec, tokenizer = build_spec(cfg, out_dir)
+    group, metrics = train(spec, cfg, out_dir)
+    save_final_model(group, out_dir, tokenizer, common.model_card("sft", cfg, metrics, "Supervised fine-tuning (prompt-masked NLL)."))
+    common.finish(out_dir, "sft", cfg, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.stage_main(Config, "sft", run, argv)
+
+
+if __name__ == "__main__":
+    main()
