@@ -23,3 +23,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+SMALL_TASK = ["prepare.task.num_sft=600", "prepare.task.num_pref=400", "prepare.task.num_rl=200",
+              "prepare.task.num_eval=40", "prepare.task.num_eval_pref=40"]
+
+
+def rlhf(*args, cwd, env=None, timeout=900):
+    """Run the `rlhf` CLI as a user would; returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rlhf_core.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """One embedded Ray head for the whole session; tests submit jobs to it via RAY_ADDRESS."""
+    from rlhf_core.runtime.cluster import LocalRayHead
+
+    with LocalRayHead() as head:
+        yield head.job_address
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory):
+    """A project directory with a small prepared task and the tiny base model."""
+    root = tmp_path_factory.mktemp("project")
+    proc = rlhf("prepare", "--params", "none.yaml", *[a for s in SMALL_TASK for a in ("--set", s)], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root

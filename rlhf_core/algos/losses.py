@@ -198,7 +198,7 @@ def sft_loss(logprobs: Tensor, loss_mask: Tensor, agg_mode="token-mean", num_tok
     """Prompt-masked NLL: aggregate(-log p(y_t)) over response tokens (loss_mask = 0 on the
     prompt and padding).  logprobs, loss_mask `(B, T)`."""
     loss = aggregate(-logprobs, loss_mask, agg_mode, num_tokens, num_seqs, norm_len)
-    return loss, {"nll": loss.detach()}
+    return loss, {}
 
 
 def rm_sigmoid_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Tensor | float = 0.0):

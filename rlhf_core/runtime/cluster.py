@@ -50,8 +50,13 @@ class LocalRayHead:
             _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.gcs_port}", "--node-ip-address=127.0.0.1",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={free_port()}", f"--num-cpus={self.num_cpus}",
+            f"--num-cpus={self.num_cpus}",
         ]
+        # every listening port explicit and free: defaults (e.g. the agent's 52365) collide with
+        # a head that is still shutting down, or a second pipeline on the same host
+        for flag in ("ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                     "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port"):
+            cmd.append(f"--{flag}={free_port()}")
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS", None)
         log.info("starting local Ray head (dashboard %s)", self.job_address)
@@ -76,20 +81,22 @@ class LocalRayHead:
     def _tail(self, n: int = 4000) -> str:
         return Path(self.log_file.name).read_text(errors="replace")[-n:]
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM our head's process group (ray start --block tears its daemons down), then SIGKILL."""
-        if self.proc is None or self.proc.poll() is not None:
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGINT our `ray start --block` (it tears its daemons down; SIGTERM does not), then
+        SIGKILL whatever is left in its process group."""
+        if self.proc is None:
             return
-        pgid = os.getpgid(self.proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+        pgid = self.proc.pid  # start_new_session: the head leads its own group
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
-        self.proc.wait(10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self.proc = None
         log.info("stopped local Ray head")
 
     def __enter__(self) -> "LocalRayHead":

@@ -37,7 +37,7 @@ def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[
     cwd = Path.cwd().resolve()
     entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m stages.{stage} --config {shlex.quote(str(config_path.resolve()))}"
     env = {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env}, metadata={"stage": stage})
+    job_id = _submit_with_retry(client, entrypoint=entrypoint, runtime_env={"env_vars": env}, metadata={"stage": stage})
     log.info("submitted %s as Ray job %s", stage, job_id)
     printed = 0
     try:
@@ -59,6 +59,20 @@ def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[
         info = client.get_job_info(job_id)
         raise JobFailed(f"stage {stage} (Ray job {job_id}) {status}: {info.message}\n--- log tail ---\n{logs[-3000:]}")
     return job_id
+
+
+def _submit_with_retry(client, timeout: float = 120.0, **kwargs) -> str:
+    """A head whose HTTP server is up may not have its job agent yet ("No available agent")."""
+    deadline = time.time() + timeout
+    delay = 0.5
+    while True:
+        try:
+            return client.submit_job(**kwargs)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.time() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def forward_env() -> dict[str, str]:

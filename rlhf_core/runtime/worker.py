@@ -6,6 +6,7 @@ model.  Stage-specific maths arrives as a function `loss_fn(model, batch, counts
 """
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class TrainWorker:
         rank skips backward and the update (no collective is left half done)."""
         self.engine.train()
         loss, stats = loss_fn(self.engine, batch, counts)
+        if os.environ.get("RLHF_FAULT") == "nan_loss":  # fault injection for the reliability tests
+            loss = loss * float("nan")
         finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0])
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if finite.item() == 0.0:
@@ -101,6 +104,9 @@ class TrainWorker:
         elif self.rank == 0:
             self.engine.module.save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
+
+    def params_finite(self) -> bool:
+        return all(torch.isfinite(p).all() for p in self.engine.module.parameters())
 
     def state_fingerprint(self) -> str:
         """sha256 over all parameters (exact-resume tests compare these)."""

@@ -118,3 +118,35 @@ def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray:
         run(cfg)
     finally:
         ray.shutdown()
+
+
+# --- preference pairs (rm, dpo) -------------------------------------------------------------
+
+
+def tokenize_pair(tokenizer, prompt: list[int], row: dict, max_len: int) -> dict:
+    """{chosen: {input_ids, loss_mask}, rejected: {...}, num_tokens}; TooLong if either is over."""
+    from rlhf_core.data.tokenize import prompt_response
+
+    chosen = prompt_response(tokenizer, prompt, row["chosen"], max_len)
+    rejected = prompt_response(tokenizer, prompt, row["rejected"], max_len)
+    return {"chosen": chosen, "rejected": rejected, "num_tokens": len(chosen["input_ids"]) + len(rejected["input_ids"])}
+
+
+class CollatePairs:
+    """Pairs -> one padded batch: the B chosen sequences, then the B rejected ones.  Extra
+    per-pair float fields (e.g. reference log-probs) become `(B,)` tensors."""
+
+    def __init__(self, pad_id: int, extra: tuple[str, ...] = ()):
+        self.pad_id, self.extra = pad_id, extra
+
+    def __call__(self, pairs: list[dict]) -> dict:
+        import torch
+
+        batch = pad_batch([p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], self.pad_id)
+        for key in self.extra:
+            batch[key] = torch.tensor([p[key] for p in pairs], dtype=torch.float32)
+        return batch
+
+
+def count_pairs(batch: list[dict]) -> dict:
+    return {"num_pairs": len(batch)}

@@ -57,6 +57,9 @@ class StageSpec:
     data_fingerprint: str
     pad_token_id: int | None = None
     extra_state: dict = field(default_factory=dict)
+    before_train: Callable[["WorkerGroup"], None] | None = None
+    """Runs once the workers hold the *starting* weights, before any checkpoint is loaded
+    (DPO computes its reference log-probs here)."""
 
 
 class WorkerGroup:
@@ -109,6 +112,8 @@ def _maybe_inject_fault(step: int) -> None:
 
 
 def save_checkpoint(group: WorkerGroup, ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
+    if not all(group.call("params_finite")):
+        raise FloatingPointError(f"non-finite weights at step {step}: refusing to checkpoint them")
     tmp = ckpt.begin(ckpt_dir, step)
     group.call("save_checkpoint", str(tmp))
     ckpt.commit(ckpt_dir, tmp, step, state, keep)
@@ -120,6 +125,10 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
+    # workers run in another cwd: every path they see must be absolute
+    out_dir = out_dir.resolve()
+    if Path(spec.model_path).exists():
+        spec.model_path = str(Path(spec.model_path).resolve())
     ckpt_dir = out_dir / "checkpoints"
     if not cfg.resume:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -134,6 +143,8 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
                           f"samples. --set {spec.name}.resume=false to start over.")
 
     group = WorkerGroup(spec, cfg)
+    if spec.before_train:
+        spec.before_train(group)
     if found:
         path, state = found
         group.call("load_checkpoint", str(path))
@@ -170,8 +181,10 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
                                          f"aborting without checkpointing. Lower {spec.name}.lr or check the data.")
         else:
             streak = 0
-        tokens += sum(len(e["input_ids"]) for e in batch) if "input_ids" in batch[0] else 0
-        row = {"step": step, **{k: sum(r[k] for r in results) / len(results) for k in results[0]}}
+        tokens += sum(e.get("num_tokens") or len(e["input_ids"]) for e in batch)
+        # a rank's "loss" is its share of the global loss (normalised by global counts): sum them;
+        # every other stat is a per-rank mean: average them
+        row = {"step": step, **{k: sum(r[k] for r in results) / (1 if k == "loss" else len(results)) for k in results[0]}}
         for k, v in row.items():
             if k != "step":
                 writer.add_scalar(f"train/{k}", v, step)
@@ -203,6 +216,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
 
 def save_final_model(group: WorkerGroup, out_dir: Path, tokenizer, card: str) -> Path:
     """model/ written to a temp dir (HF format + tokenizer + card), then renamed into place."""
+    out_dir = out_dir.resolve()
     final, tmp = out_dir / "model", out_dir / ".tmp-model"
     shutil.rmtree(tmp, ignore_errors=True)
     group.call("save_model", str(tmp))

@@ -1,0 +1,121 @@
+"""Stage `dpo`: direct preference optimisation (sigmoid / IPO / cDPO, optional NLL term).
+
+The reference is the starting model: its summed log-probs of every chosen and rejected response
+are computed once per example, by the workers before any update, and cached beside the
+checkpoints (a resume reuses them, never recomputes them from trained weights).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+from rlhf_core.algos.losses import dpo_loss, token_logprobs
+from rlhf_core.data.tokenize import tokenize_rows
+from rlhf_core.training import common
+from rlhf_core.training.config import TrainConfig
+from rlhf_core.training.loop import StageSpec, save_final_model, train
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(TrainConfig):
+    model_path: str | None = "artifacts/sft/model"
+    train_data: str = "data/prefs.jsonl"
+    eval_data: str = "data/eval.jsonl"
+    output_dir: str = "artifacts/dpo"
+    max_steps: int = 100
+    save_steps: int = 50
+    lr: float = 2e-4
+    warmup_steps: int = 5
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
+    label_smoothing: float = 0.0
+    """cDPO label noise (with loss_type cdpo)."""
+    nll_coef: float = 0.0
+    """Weight of the chosen-response NLL term (RPO); 0 disables it."""
+
+
+# --- maths: run inside the workers ---------------------------------------------------------
+
+
+def sequence_logps(model, batch):
+    """Summed response log-probs and response lengths, `(2B,)` each: chosen first, then rejected."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
+    mask = batch["loss_mask"][:, 1:].to(logprobs.dtype)
+    return (logprobs * mask).sum(-1), mask.sum(-1)
+
+
+def loss_fn(model, batch, counts, beta: float, loss_type: str, label_smoothing: float, nll_coef: float):
+    logps, lengths = sequence_logps(model, batch)
+    b = logps.shape[0] // 2
+    loss, stats = dpo_loss(logps[:b], logps[b:], batch["ref_chosen"], batch["ref_rejected"], beta=beta, loss_type=loss_type,
+                           label_smoothing=label_smoothing, chosen_nll=-logps[:b] / lengths[:b].clamp(min=1), nll_coef=nll_coef)
+    return loss * b / counts["num_pairs"], stats
+
+
+def ref_logps_fn(model, batch):
+    logps, _ = sequence_logps(model, batch)
+    b = logps.shape[0] // 2
+    return list(zip(logps[:b].tolist(), logps[b:].tolist()))
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def build_spec(cfg: Config, out_dir: Path):
+    tokenizer = common.load_tokenizer(cfg)
+    fmt = common.prompt_formatter(tokenizer, False)
+    rows = common.load_data(cfg.train_data, "pref", cfg, out_dir / "rejects" / "train.jsonl")
+    pairs, too_long = tokenize_rows(rows, lambda r: common.tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), cfg.max_len)
+    common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
+    eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
+    eval_prompts = [fmt(r) for r in eval_rows]
+    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected"))
+    fingerprint = common.data_fingerprint(cfg)
+    cache = out_dir / "checkpoints" / "reference_logps.json"
+
+    def compute_reference(group) -> None:
+        """Once per example with the starting weights; cached for resumes (keyed by data + model)."""
+        key = {"data": fingerprint, "model": str(cfg.model_path)}
+        if cache.is_file() and json.loads(cache.read_text())["key"] == key:
+            values = json.loads(cache.read_text())["logps"]
+        else:
+            plain = common.CollatePairs(tokenizer.pad_token_id)
+            batches = [plain(pairs[i:i + cfg.eval_batch_size]) for i in range(0, len(pairs), cfg.eval_batch_size)]
+            values = group.call_rank0("evaluate", batches, ref_logps_fn)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps({"key": key, "logps": values}))
+        for pair, (c, r) in zip(pairs, values):
+            pair["ref_chosen"], pair["ref_rejected"] = c, r
+
+    def evaluate(group) -> dict:
+        return common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
+
+    spec = StageSpec(name="dpo", model_path=cfg.model_path, model_kind="causal_lm", examples=pairs, collate=collate,
+                     loss_fn=partial(loss_fn, beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, nll_coef=cfg.nll_coef),
+                     counts=common.count_pairs, evaluate=evaluate, data_fingerprint=fingerprint,
+                     pad_token_id=tokenizer.pad_token_id, before_train=compute_reference)
+    return spec, tokenizer
+
+
+def run(cfg: Config) -> dict:
+    out_dir = Path(cfg.output_dir)
+    spec, tokenizer = build_spec(cfg, out_dir)
+    group, metrics = train(spec, cfg, out_dir)
+    # the last step's preference statistics (implicit rewards beta * (pi - ref))
+    last = json.loads((out_dir / "train_history.jsonl").read_text().splitlines()[-1])
+    metrics.update({k: v for k, v in last.items() if k.startswith("rewards/")})
+    save_final_model(group, out_dir, tokenizer, common.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
+    common.finish(out_dir, "dpo", cfg, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.stage_main(Config, "dpo", run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""sft, rm and dpo as real Ray jobs on DeepSpeed workers: outputs, exact resume, bad input."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import rlhf
+from rlhf_core.artifacts.manifest import verify_manifest
+
+pytestmark = pytest.mark.integration
+
+SFT = ["--set", "sft.max_steps=8", "--set", "sft.save_steps=3", "--set", "sft.global_batch_size=16",
+       "--set", "sft.log_steps=4", "--set", "sft.eval_max_new_tokens=4"]
+
+
+def run_stage(project, ray_head, stage, *args, env=None):
+    return rlhf("stage", "run", stage, "--params", "none.yaml", *args, cwd=project, env={"RAY_ADDRESS": ray_head, **(env or {})})
+
+
+def weights(path: Path) -> dict:
+    return load_file(str(path / "model" / "model.safetensors"))
+
+
+def history(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "train_history.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sft_reference(project, ray_head):
+    """An uninterrupted 8-step sft run (the model later stages start from)."""
+    proc = run_stage(project, ray_head, "sft", *SFT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return project / "artifacts" / "sft"
+
+
+def test_sft_outputs(sft_reference):
+    out = sft_reference
+    for rel in ("model/model.safetensors", "model/tokenizer.json", "model/README.md", "metrics.json", "manifest.json",
+                "checkpoints/latest", "tensorboard"):
+        assert (out / rel).exists(), rel
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000006", "step_000008"]  # keep=2
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("eval/accuracy", "eval/accuracy_init", "eval/loss", "eval/loss_init", "train/loss"):
+        assert key in metrics, key
+    assert metrics["eval/loss"] < metrics["eval/loss_init"]  # it learns something in 8 steps
+    assert verify_manifest(out) == []
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "model").config.model_type == "llama"
+    assert "Supervised fine-tuning" in (out / "model" / "README.md").read_text()
+
+
+def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
+    out = "artifacts/sft_killed"
+    args = [*SFT, "--set", f"sft.output_dir={out}"]
+    killed = run_stage(project, ray_head, "sft", *args, env={"RLHF_FAULT": "sigkill_after_step:5"})
+    assert killed.returncode != 0
+    assert (project / out / "checkpoints" / "latest").read_text() == "step_000003"
+    resumed = run_stage(project, ray_head, "sft", *args)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from step_000003" in resumed.stdout
+    a, b = weights(sft_reference), weights(project / out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in history(project / out)] == [r["loss"] for r in history(sft_reference)]
+
+    # nothing left to train is an error, not a silent success
+    again = run_stage(project, ray_head, "sft", *args)
+    assert again.returncode != 0 and "nothing to train" in again.stdout + again.stderr
+
+    # a corrupted newest checkpoint is detected and the previous complete one is used
+    latest = project / out / "checkpoints" / "step_000008"
+    victim = next(p for p in sorted(latest.rglob("*")) if p.is_file() and p.suffix == ".pt")
+    blob = bytearray(victim.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    more = run_stage(project, ray_head, "sft", *args, "--set", "sft.max_steps=9")
+    text = more.stdout + more.stderr
+    assert more.returncode == 0, text[-3000:]
+    assert "sha256 mismatch" in text and "resumed from step_000006" in text
+
+
+def test_one_and_two_workers_same_loss_curve(project, ray_head):
+    curves = {}
+    for n in (1, 2):
+        out = f"artifacts/sft_w{n}"
+        proc = run_stage(project, ray_head, "sft", "--set", "sft.max_steps=5", "--set", "sft.global_batch_size=16",
+                         "--set", f"sft.num_workers={n}", "--set", f"sft.output_dir={out}", "--set", "sft.eval_max_new_tokens=2")
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        curves[n] = [r["loss"] for r in history(project / out)]
+    assert curves[1] == pytest.approx(curves[2], rel=1e-4)
+
+
+def test_nan_loss_is_skipped_then_aborts_without_checkpoint(project, ray_head):
+    out = "artifacts/sft_nan"
+    proc = run_stage(project, ray_head, "sft", *SFT, "--set", f"sft.output_dir={out}", "--set", "sft.max_nan_steps=2",
+                     env={"RLHF_FAULT": "nan_loss"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "non-finite loss, update skipped" in text and "2 consecutive steps with a non-finite loss" in text
+    assert not list((project / out / "checkpoints").glob("step_*"))
+
+
+def test_bad_inputs_have_clear_errors(project, ray_head, tmp_path):
+    proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/nope", "--set", "sft.output_dir=artifacts/sft_bad")
+    assert proc.returncode != 0 and "model_path 'artifacts/nope' does not exist" in proc.stdout + proc.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Q: 1+1= A:"}\n' * 3 + '{"prompt": "Q: 1+1= A:", "response": " 2"}\n')
+    proc = run_stage(project, ray_head, "sft", "--set", f"sft.train_data={bad}", "--set", "sft.output_dir=artifacts/sft_bad")
+    assert proc.returncode != 0 and "3 of 4 rows (75.0%) rejected" in proc.stdout + proc.stderr
+    proc = run_stage(project, ray_head, "sft", "--set", "sft.max_len=5", "--set", "sft.output_dir=artifacts/sft_bad")
+    assert proc.returncode != 0 and "over max_len=5 tokens" in proc.stdout + proc.stderr
+    proc = rlhf("stage", "run", "sft", "--params", "none.yaml", "--set", "sft.lrr=1", cwd=project)
+    assert proc.returncode == 2 and "sft.lr," in proc.stderr
+
+
+def test_rm_stage(project, ray_head, sft_reference):
+    proc = run_stage(project, ray_head, "rm", "--set", "rm.max_steps=6", "--set", "rm.save_steps=3", "--set", "rm.global_batch_size=16")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = project / "artifacts" / "rm"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0.0 <= metrics["eval/pair_accuracy"] <= 1.0 and "eval/pair_accuracy_init" in metrics
+    stats = json.loads((out / "model" / "reward_stats.json").read_text())
+    assert stats["std"] > 0
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    assert model.config.num_labels == 1
+    assert verify_manifest(out) == []
+
+
+def test_dpo_stage(project, ray_head, sft_reference):
+    proc = run_stage(project, ray_head, "dpo", "--set", "dpo.max_steps=4", "--set", "dpo.save_steps=2", "--set", "dpo.global_batch_size=16",
+                     "--set", "dpo.eval_max_new_tokens=4")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = project / "artifacts" / "dpo"
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "eval/accuracy", "eval/accuracy_init"):
+        assert key in metrics, key
+    # the reference is the sft model: dpo's starting accuracy is the sft model's accuracy
+    assert metrics["eval/accuracy_init"] == json.loads((sft_reference / "metrics.json").read_text())["eval/accuracy"]
+    cache = json.loads((out / "checkpoints" / "reference_logps.json").read_text())
+    assert len(cache["logps"]) == 400
+    assert verify_manifest(out) == []
