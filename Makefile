@@ -10,6 +10,9 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 export DVC_NO_ANALYTICS ?= 1
+export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.dvc/tmp/site
+# stage commands in dvc.yaml call `rlhf` from the project environment
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: setup run test test-unit clean
 
@@ -23,8 +26,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(BIN)/pip uninstall -q -y $(BROKEN_EXTRAS) 2>/dev/null || true
 	touch $(STAMP)
 
+# the main job: the tiny pipeline, prepare -> sft -> rm, dpo (unchanged stages are skipped)
 run: setup
-	$(BIN)/rlhf prepare
+	$(BIN)/dvc repro
+	$(BIN)/dvc metrics show
 
 test: setup
 	$(BIN)/python -m pytest

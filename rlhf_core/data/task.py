@@ -20,6 +20,9 @@ class TaskConfig:
     """Operands per expression (3 makes the task harder)."""
     allow_negative: bool = False
     """If false, expressions with a negative result are redrawn."""
+    allow_carry: bool = True
+    """If false, + never carries and - never borrows (digit-wise arithmetic: a tiny model learns it
+    in minutes on a CPU, which is what the embedded pipeline needs)."""
     num_sft: int = 4000
     """SFT demonstrations (prompt, response)."""
     sft_wrong_fraction: float = 0.1
@@ -70,12 +73,24 @@ def _evaluate(operands: list[int], ops: list[str]) -> int:
     return total
 
 
+def _digitwise(a: int, b: int, op: str) -> bool:
+    """True if a op b needs no carry (+) or borrow (-) in any digit; * is always allowed."""
+    while a or b:
+        da, db = a % 10, b % 10
+        if (op == "+" and da + db > 9) or (op == "-" and da < db):
+            return False
+        a, b = a // 10, b // 10
+    return True
+
+
 def draw_problem(rng: random.Random, cfg: TaskConfig) -> tuple[str, int]:
     """One (expression, answer) pair."""
     while True:
         operands = [rng.randint(0, cfg.max_value) for _ in range(cfg.num_operands)]
         ops = [rng.choice(cfg.operations) for _ in range(cfg.num_operands - 1)]
         answer = _evaluate(operands, ops)
+        if not cfg.allow_carry and not all(_digitwise(a, b, op) for a, op, b in zip(operands, ops, operands[1:])):
+            continue
         if cfg.allow_negative or answer >= 0:
             expr = "".join(f"{a}{op}" for a, op in zip(operands, ops)) + str(operands[-1])
             return expr, answer

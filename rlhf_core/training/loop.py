@@ -103,6 +103,18 @@ class WorkerGroup:
         return ray.get([w.train_step.remote(collate(examples[r::n]), loss_fn, counts) for r, w in enumerate(self.workers)])
 
 
+# settings that may change between a run and its resume; anything else makes it a new run
+RESUMABLE_CHANGES = {"max_steps": 1, "save_steps": 1, "eval_steps": 0, "log_steps": 1, "resume": True, "keep_checkpoints": 1}
+
+
+def resume_key(cfg: TrainConfig) -> str:
+    from dataclasses import replace
+
+    from rlhf_core.config import config_hash
+
+    return config_hash(replace(cfg, **RESUMABLE_CHANGES))
+
+
 def _maybe_inject_fault(step: int) -> None:
     """Fault injection for the reliability tests: RLHF_FAULT=sigkill_after_step:K."""
     fault = os.environ.get("RLHF_FAULT", "")
@@ -135,6 +147,14 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt.clean_stale(ckpt_dir)
     found = ckpt.find_resumable(ckpt_dir)
+    key = resume_key(cfg)
+    if found and found[1].get("resume_key") != key:
+        # a different experiment (lr, model, ...), not a continuation: start over
+        log.warning("config changed since %s was written (only max_steps/save/eval/log settings may change "
+                    "for a resume): starting over", found[0].name)
+        shutil.rmtree(ckpt_dir)
+        ckpt_dir.mkdir(parents=True)
+        found = None
     if found and found[1]["step"] >= cfg.max_steps:
         raise ResumeError(f"{found[0]} is at step {found[1]['step']} >= max_steps={cfg.max_steps}: nothing to train. "
                           f"Raise {spec.name}.max_steps, or --set {spec.name}.resume=false to start over.")
@@ -150,7 +170,8 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
         group.call("load_checkpoint", str(path))
         log.info("resumed from %s (step %d, %d samples consumed)", path.name, state["step"], state["consumed"])
     else:
-        state = {"step": 0, "consumed": 0, "nan_skipped": 0, "data_fingerprint": spec.data_fingerprint, "init_metrics": {}, **spec.extra_state}
+        state = {"step": 0, "consumed": 0, "nan_skipped": 0, "data_fingerprint": spec.data_fingerprint, "resume_key": key,
+                 "init_metrics": {}, **spec.extra_state}
         state["init_metrics"] = {k + "_init": v for k, v in spec.evaluate(group).items()}
         log.info("before training: %s", state["init_metrics"])
 
