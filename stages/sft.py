@@ -21,9 +21,10 @@ class Config(TrainConfig):
     train_data: str = "data/sft.jsonl"
     eval_data: str = "data/eval.jsonl"
     output_dir: str = "artifacts/sft"
-    max_steps: int = 400
-    save_steps: int = 100
-    lr: float = 2e-3
+    max_steps: int = 600
+    save_steps: int = 200
+    lr: float = 3e-3
+    global_batch_size: int = 64
     use_chat_template: bool = False
     """Wrap `prompt` as a user turn with the tokenizer's chat template (error if it has none)."""
     label_prefix: str = " "

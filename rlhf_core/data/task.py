@@ -20,7 +20,10 @@ class TaskConfig:
     """Operands per expression (3 makes the task harder)."""
     allow_negative: bool = False
     """If false, expressions with a negative result are redrawn."""
-    allow_carry: bool = True
+    fixed_width: bool = True
+    """Zero-pad operands (and digit-wise answers) to the width of max_value: `07+52= A: 59`.
+    Fixed digit positions make the task far easier for a tiny model."""
+    allow_carry: bool = False
     """If false, + never carries and - never borrows (digit-wise arithmetic: a tiny model learns it
     in minutes on a CPU, which is what the embedded pipeline needs)."""
     num_sft: int = 4000
@@ -47,6 +50,12 @@ class TaskConfig:
 
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def answer_text(cfg: TaskConfig, value: int) -> str:
+    """Digit-wise answers (no carry, no *, no negatives) are padded like the operands."""
+    digitwise = cfg.fixed_width and not cfg.allow_carry and "*" not in cfg.operations and value >= 0
+    return f"{value:0{len(str(cfg.max_value))}d}" if digitwise else str(value)
 
 
 def format_prompt(expression: str) -> str:
@@ -92,7 +101,8 @@ def draw_problem(rng: random.Random, cfg: TaskConfig) -> tuple[str, int]:
         if not cfg.allow_carry and not all(_digitwise(a, b, op) for a, op, b in zip(operands, ops, operands[1:])):
             continue
         if cfg.allow_negative or answer >= 0:
-            expr = "".join(f"{a}{op}" for a, op in zip(operands, ops)) + str(operands[-1])
+            width = len(str(cfg.max_value)) if cfg.fixed_width else 0
+            expr = "".join(f"{a:0{width}d}{op}" for a, op in zip(operands, ops)) + f"{operands[-1]:0{width}d}"
             return expr, answer
 
 
@@ -133,11 +143,11 @@ def generate_task(cfg: TaskConfig, seed: int) -> dict[str, list[dict]]:
     eval_exprs = {e for e, _ in held_out}
     splits: dict[str, list[dict]] = {"eval": [], "eval_pref": []}
     for i, (expr, ans) in enumerate(held_out[: cfg.num_eval]):
-        splits["eval"].append({"id": f"eval-{i:06d}", "prompt": format_prompt(expr), "label": str(ans)})
+        splits["eval"].append({"id": f"eval-{i:06d}", "prompt": format_prompt(expr), "label": answer_text(cfg, ans)})
     for i, (expr, ans) in enumerate(held_out[cfg.num_eval :]):
         wrong = plausible_wrong(rng, ans, cfg.allow_negative)
         splits["eval_pref"].append(
-            {"id": f"eval_pref-{i:06d}", "prompt": format_prompt(expr), "chosen": format_response(str(ans)), "rejected": format_response(str(wrong))}
+            {"id": f"eval_pref-{i:06d}", "prompt": format_prompt(expr), "chosen": format_response(answer_text(cfg, ans)), "rejected": format_response(answer_text(cfg, wrong))}
         )
 
     n_wrong = round(cfg.num_sft * cfg.sft_wrong_fraction)
@@ -147,18 +157,18 @@ def generate_task(cfg: TaskConfig, seed: int) -> dict[str, list[dict]]:
         {
             "id": f"sft-{i:06d}",
             "prompt": format_prompt(expr),
-            "response": format_response(str(plausible_wrong(rng, ans, cfg.allow_negative) if i in wrong_idx else ans)),
+            "response": format_response(answer_text(cfg, plausible_wrong(rng, ans, cfg.allow_negative) if i in wrong_idx else ans)),
             "correct": i not in wrong_idx,
         }
         for i, (expr, ans) in enumerate(sft)
     ]
     splits["pref"] = [
-        {"id": f"pref-{i:06d}", "prompt": format_prompt(expr), "chosen": format_response(str(ans)),
-         "rejected": format_response(str(plausible_wrong(rng, ans, cfg.allow_negative)))}
+        {"id": f"pref-{i:06d}", "prompt": format_prompt(expr), "chosen": format_response(answer_text(cfg, ans)),
+         "rejected": format_response(answer_text(cfg, plausible_wrong(rng, ans, cfg.allow_negative)))}
         for i, (expr, ans) in enumerate(_unique_problems(rng, cfg, cfg.num_pref, exclude=eval_exprs))
     ]
     splits["rl"] = [
-        {"id": f"rl-{i:06d}", "prompt": format_prompt(expr), "label": str(ans)}
+        {"id": f"rl-{i:06d}", "prompt": format_prompt(expr), "label": answer_text(cfg, ans)}
         for i, (expr, ans) in enumerate(_unique_problems(rng, cfg, cfg.num_rl, exclude=eval_exprs))
     ]
     check_no_overlap(splits)

@@ -16,8 +16,9 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_to
         for i, p in enumerate(chunk):
             ids[i, width - len(p) :] = torch.tensor(p)
             attn[i, width - len(p) :] = 1
-        gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+        device = next(model.parameters()).device
+        gen = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=pad_token_id, eos_token_id=eos_token_id)
-        for row in gen[:, width:].tolist():
+        for row in gen[:, width:].cpu().tolist():
             out.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
     return out

@@ -31,16 +31,19 @@ class TrainWorker:
             model.config.pad_token_id = pad_token_id  # sequence classification finds the last token by it
         self.engine = build_engine(model, cfg)
 
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
     # --- training -------------------------------------------------------------------------
 
     def train_step(self, batch: dict, loss_fn, counts: dict) -> dict:
         """One optimizer step on this rank's shard.  If any rank's loss is non-finite, every
         rank skips backward and the update (no collective is left half done)."""
         self.engine.train()
-        loss, stats = loss_fn(self.engine, batch, counts)
+        loss, stats = loss_fn(self.engine, self._to_device(batch), counts)
         if os.environ.get("RLHF_FAULT") == "nan_loss":  # fault injection for the reliability tests
             loss = loss * float("nan")
-        finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0])
+        finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0], device=loss.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if finite.item() == 0.0:
             self.engine.zero_grad()
@@ -60,7 +63,7 @@ class TrainWorker:
         self.engine.eval()
         out = []
         for batch in batches:
-            out.extend(eval_fn(self.engine.module, batch))
+            out.extend(eval_fn(self.engine.module, self._to_device(batch)))
         return out
 
     @torch.no_grad()

@@ -33,6 +33,7 @@ def ds_config(cfg: TrainConfig) -> dict:
         "train_batch_size": cfg.global_batch_size,
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_allow_untested_optimizer": True,  # ZeRO partitions our torch AdamW's state
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

@@ -92,9 +92,13 @@ class WorkerGroup:
 
         return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=timeout)
 
-    def call_rank0(self, method: str, *args):
+    def call_rank0(self, method: str, *args, timeout: float = 3600):
         """Rank 0's result; under ZeRO-3 every rank must take part in the forward."""
-        return self.call(method, *args)[0] if self.zero3 else __import__("ray").get(getattr(self.workers[0], method).remote(*args))
+        import ray
+
+        if self.zero3:
+            return self.call(method, *args, timeout=timeout)[0]
+        return ray.get(getattr(self.workers[0], method).remote(*args), timeout=timeout)
 
     def train_step(self, examples: list[dict], collate, loss_fn, counts: dict) -> list[dict]:
         import ray

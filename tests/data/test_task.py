@@ -23,13 +23,13 @@ def test_labels_correct_and_wrong_fraction():
     s = generate_task(SMALL, seed=0)
     assert {k: len(v) for k, v in s.items()} == {"eval": 50, "eval_pref": 50, "sft": 300, "pref": 200, "rl": 200}
     for row in s["rl"] + s["eval"]:
-        assert row["label"] == str(_answer(row["prompt"]))
+        assert int(row["label"]) == _answer(row["prompt"])
     wrong = [r for r in s["sft"] if not r["correct"]]
     assert len(wrong) == 30
     for r in s["sft"]:
-        assert (r["response"].strip() == str(_answer(r["prompt"]))) == r["correct"]
+        assert (int(r["response"]) == _answer(r["prompt"])) == r["correct"]
     for r in s["pref"] + s["eval_pref"]:
-        assert r["chosen"].strip() == str(_answer(r["prompt"]))
+        assert int(r["chosen"]) == _answer(r["prompt"])
         assert r["rejected"] != r["chosen"] and int(r["rejected"]) >= 0
 
 
@@ -57,3 +57,24 @@ def test_too_small_space_is_a_clear_error():
 def test_bad_knobs():
     with pytest.raises(ValueError, match="operations"):
         TaskConfig(operations=("/",))
+
+
+def test_fixed_width_format():
+    s = generate_task(SMALL, seed=0)
+    for r in s["eval"]:
+        expr = r["prompt"].removeprefix("Q: ").removesuffix("= A:")
+        assert len(expr) == 5 and len(r["label"]) == 2  # `07+52`, `59`
+    s = generate_task(TaskConfig(fixed_width=False, allow_carry=True, num_sft=50, num_pref=5, num_rl=5, num_eval=5, num_eval_pref=5), seed=0)
+    assert any(len(r["prompt"].removeprefix("Q: ").removesuffix("= A:")) < 5 for r in s["sft"])
+
+
+def test_no_carry_knob():
+    def no_carry(prompt):
+        a, op, b = prompt.removeprefix("Q: ").removesuffix("= A:").partition("+") if "+" in prompt else prompt.removeprefix("Q: ").removesuffix("= A:").partition("-")
+        a, b = a.zfill(3), b.zfill(3)
+        return all((int(x) + int(y) <= 9) if op == "+" else (int(x) >= int(y)) for x, y in zip(a, b))
+
+    s = generate_task(SMALL, seed=0)  # default: allow_carry=False
+    assert all(no_carry(r["prompt"]) for r in s["sft"] + s["rl"] + s["eval"])
+    s = generate_task(TaskConfig(allow_carry=True, num_sft=300, num_pref=10, num_rl=10, num_eval=10, num_eval_pref=10), seed=0)
+    assert not all(no_carry(r["prompt"]) for r in s["sft"])

@@ -10,21 +10,13 @@ import pytest
 
 from rlhf_core.artifacts.manifest import verify_manifest
 
-SMALL = ["prepare.task.num_sft=400", "prepare.task.num_pref=200", "prepare.task.num_rl=200",
-         "prepare.task.num_eval=40", "prepare.task.num_eval_pref=40"]
-
-
-def _rlhf(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "rlhf_core.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+from conftest import SMALL_TASK
+from conftest import rlhf as _rlhf
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prepare")
-    args = [a for s in SMALL for a in ("--set", s)]
-    proc = _rlhf("prepare", "--params", "none.yaml", *args, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+def prepared(project):
+    return project
 
 
 @pytest.mark.e2e
@@ -34,10 +26,10 @@ def test_outputs_and_manifests(prepared):
         assert (data / name).is_file(), name
     for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "metrics.json", "manifest.json"):
         assert (base / name).is_file(), name
-    assert len((data / "sft.jsonl").read_text().splitlines()) == 400
+    assert len((data / "sft.jsonl").read_text().splitlines()) == 600
     manifest = json.loads((base / "manifest.json").read_text())
     assert manifest["stage"] == "prepare" and manifest["inputs"][0]["kind"] == "artifact"
-    assert manifest["config"]["task"]["num_sft"] == 400 and len(manifest["config_sha256"]) == 64
+    assert manifest["config"]["task"]["num_sft"] == 600 and len(manifest["config_sha256"]) == 64
     assert verify_manifest(base) == [] and verify_manifest(data) == []
     # a flipped byte in the weights is detected
     weights = base / "model.safetensors"
@@ -53,7 +45,7 @@ def test_outputs_and_manifests(prepared):
 
 @pytest.mark.e2e
 def test_deterministic(prepared, tmp_path):
-    args = [a for s in SMALL for a in ("--set", s)]
+    args = [a for s in SMALL_TASK for a in ("--set", s)]
     assert _rlhf("prepare", "--params", "none.yaml", *args, cwd=tmp_path).returncode == 0
     for rel in ("data/sft.jsonl", "data/eval.jsonl", "artifacts/base/model.safetensors", "artifacts/base/tokenizer.json"):
         assert (tmp_path / rel).read_bytes() == (prepared / rel).read_bytes(), rel
