@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rlhf_core.algos.losses import sft_loss, token_logprobs
 from rlhf_core.data.tokenize import pad_batch, prompt_ids, prompt_response, tokenize_rows
@@ -21,9 +22,10 @@ class Config(TrainConfig):
     train_data: str = "data/sft.jsonl"
     eval_data: str = "data/eval.jsonl"
     output_dir: str = "artifacts/sft"
-    max_steps: int = 600
+    max_steps: int = 800
     save_steps: int = 200
     lr: float = 3e-3
+    lr_scheduler: Literal["cosine", "constant"] = "constant"
     global_batch_size: int = 64
     use_chat_template: bool = False
     """Wrap `prompt` as a user turn with the tokenizer's chat template (error if it has none)."""

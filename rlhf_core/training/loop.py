@@ -136,6 +136,30 @@ def save_checkpoint(group: WorkerGroup, ckpt_dir: Path, step: int, state: dict, 
     log.info("checkpoint %s", ckpt.step_name(step))
 
 
+def resume_point(ckpt_dir: Path, cfg: TrainConfig, spec: StageSpec, key: str) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from, None for a fresh start, or ResumeError if resuming would
+    train nothing or skip/replay data."""
+    if not cfg.resume:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.clean_stale(ckpt_dir)
+    found = ckpt.find_resumable(ckpt_dir)
+    if found and found[1].get("resume_key") != key:
+        # a different experiment (lr, model, ...), not a continuation: start over
+        log.warning("config changed since %s was written (only max_steps/save/eval/log settings may change "
+                    "for a resume): starting over", found[0].name)
+        shutil.rmtree(ckpt_dir)
+        ckpt_dir.mkdir(parents=True)
+        return None
+    if found and found[1]["step"] >= cfg.max_steps:
+        raise ResumeError(f"{found[0]} is at step {found[1]['step']} >= max_steps={cfg.max_steps}: nothing to train. "
+                          f"Raise {spec.name}.max_steps, or --set {spec.name}.resume=false to start over.")
+    if found and found[1]["data_fingerprint"] != spec.data_fingerprint:
+        raise ResumeError(f"{found[0]} was trained on different data (fingerprint changed): resuming would skip or replay "
+                          f"samples. --set {spec.name}.resume=false to start over.")
+    return found
+
+
 def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup, dict]:
     """Run (or resume) training to `cfg.max_steps`; returns the worker group and metrics."""
     from torch.utils.tensorboard import SummaryWriter
@@ -146,25 +170,8 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     if Path(spec.model_path).exists():
         spec.model_path = str(Path(spec.model_path).resolve())
     ckpt_dir = out_dir / "checkpoints"
-    if not cfg.resume:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.clean_stale(ckpt_dir)
-    found = ckpt.find_resumable(ckpt_dir)
     key = resume_key(cfg)
-    if found and found[1].get("resume_key") != key:
-        # a different experiment (lr, model, ...), not a continuation: start over
-        log.warning("config changed since %s was written (only max_steps/save/eval/log settings may change "
-                    "for a resume): starting over", found[0].name)
-        shutil.rmtree(ckpt_dir)
-        ckpt_dir.mkdir(parents=True)
-        found = None
-    if found and found[1]["step"] >= cfg.max_steps:
-        raise ResumeError(f"{found[0]} is at step {found[1]['step']} >= max_steps={cfg.max_steps}: nothing to train. "
-                          f"Raise {spec.name}.max_steps, or --set {spec.name}.resume=false to start over.")
-    if found and found[1]["data_fingerprint"] != spec.data_fingerprint:
-        raise ResumeError(f"{found[0]} was trained on different data (fingerprint changed): resuming would skip or replay "
-                          f"samples. --set {spec.name}.resume=false to start over.")
+    found = resume_point(ckpt_dir, cfg, spec, key)
 
     group = WorkerGroup(spec, cfg)
     if spec.before_train:
@@ -189,7 +196,6 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     writer = SummaryWriter(str(out_dir / "tensorboard"))
     n, streak, t0, tokens = len(spec.examples), 0, time.time(), 0
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=spec.name, unit="step", dynamic_ncols=True, mininterval=2)
-    metrics: dict = {}
     while state["step"] < cfg.max_steps:
         idx = take(n, cfg.seed, state["consumed"], cfg.global_batch_size)
         batch = [spec.examples[i] for i in idx]
