@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Literal
 
 from rlhf_core.algos.losses import dpo_loss, token_logprobs
-from rlhf_core.data.tokenize import tokenize_rows
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.loop import StageSpec, save_final_model, train
@@ -57,9 +56,7 @@ def loss_fn(model, batch, counts, beta: float, loss_type: str, label_smoothing: 
 
 
 def ref_logps_fn(model, batch):
-    logps, _ = sequence_logps(model, batch)
-    b = logps.shape[0] // 2
-    return list(zip(logps[:b].tolist(), logps[b:].tolist()))
+    return common.split_pairs(sequence_logps(model, batch)[0])
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -68,9 +65,7 @@ def ref_logps_fn(model, batch):
 def build_spec(cfg: Config, out_dir: Path):
     tokenizer = common.load_tokenizer(cfg)
     fmt = common.prompt_formatter(tokenizer, False)
-    rows = common.load_data(cfg.train_data, "pref", cfg, out_dir / "rejects" / "train.jsonl")
-    pairs, too_long = tokenize_rows(rows, lambda r: common.tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), cfg.max_len)
-    common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
+    pairs = common.load_pairs(cfg.train_data, cfg, tokenizer, fmt, out_dir / "rejects", "train")
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [fmt(r) for r in eval_rows]
     collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected"))
@@ -84,8 +79,7 @@ def build_spec(cfg: Config, out_dir: Path):
             values = json.loads(cache.read_text())["logps"]
         else:
             plain = common.CollatePairs(tokenizer.pad_token_id)
-            batches = [plain(pairs[i:i + cfg.eval_batch_size]) for i in range(0, len(pairs), cfg.eval_batch_size)]
-            values = group.call_rank0("evaluate", batches, ref_logps_fn)
+            values = group.call_rank0("evaluate", common.batches(plain, pairs, cfg.eval_batch_size), ref_logps_fn)
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps({"key": key, "logps": values}))
         for pair, (c, r) in zip(pairs, values):

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Literal
 
 from rlhf_core.algos.losses import RM_LOSSES
-from rlhf_core.data.tokenize import tokenize_rows
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.loop import StageSpec, save_final_model, train
@@ -50,9 +49,7 @@ def loss_fn(model, batch, counts, loss: str, margin: float):
 
 
 def pair_rewards_fn(model, batch):
-    rewards = rewards_of(model, batch)
-    b = rewards.shape[0] // 2
-    return list(zip(rewards[:b].tolist(), rewards[b:].tolist()))
+    return common.split_pairs(rewards_of(model, batch))
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -61,16 +58,12 @@ def pair_rewards_fn(model, batch):
 def build_spec(cfg: Config, out_dir: Path):
     tokenizer = common.load_tokenizer(cfg)
     fmt = common.prompt_formatter(tokenizer, False)
-    rows = common.load_data(cfg.train_data, "pref", cfg, out_dir / "rejects" / "train.jsonl")
-    pairs, too_long = tokenize_rows(rows, lambda r: common.tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), cfg.max_len)
-    common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
-    eval_rows = common.load_data(cfg.eval_data, "pref", cfg, out_dir / "rejects" / "eval.jsonl")
-    eval_pairs, _ = tokenize_rows(eval_rows, lambda r: common.tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), cfg.max_len)
+    pairs = common.load_pairs(cfg.train_data, cfg, tokenizer, fmt, out_dir / "rejects", "train")
+    eval_pairs = common.load_pairs(cfg.eval_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval")
     collate = common.CollatePairs(tokenizer.pad_token_id)
 
     def evaluate(group) -> dict:
-        batches = [collate(eval_pairs[i:i + cfg.eval_batch_size]) for i in range(0, len(eval_pairs), cfg.eval_batch_size)]
-        pr = group.call_rank0("evaluate", batches, pair_rewards_fn)
+        pr = group.call_rank0("evaluate", common.batches(collate, eval_pairs, cfg.eval_batch_size), pair_rewards_fn)
         flat = [r for pair in pr for r in pair]
         mean = sum(flat) / len(flat)
         std = (sum((r - mean) ** 2 for r in flat) / max(1, len(flat) - 1)) ** 0.5

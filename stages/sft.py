@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlhf_core.algos.losses import sft_loss, token_logprobs
-from rlhf_core.data.tokenize import pad_batch, prompt_ids, prompt_response, tokenize_rows
+from rlhf_core.data.tokenize import prompt_response, tokenize_rows
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.loop import StageSpec, save_final_model, train
@@ -65,12 +65,13 @@ def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
     common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [format_prompt(r) for r in eval_rows]
-    eval_examples, _ = tokenize_rows(eval_rows, lambda r: prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len), cfg.max_len)
+    eval_examples, eval_too_long = tokenize_rows(eval_rows, lambda r: prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len), cfg.max_len)
+    common.check_too_long(eval_too_long, len(eval_rows), cfg, out_dir / "rejects" / "eval_too_long.jsonl")
     collate = common.Collate(tokenizer.pad_token_id)
 
     def evaluate(group) -> dict:
         metrics = common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
-        nll = group.call_rank0("evaluate", [collate(eval_examples[i:i + cfg.eval_batch_size]) for i in range(0, len(eval_examples), cfg.eval_batch_size)], nll_fn)
+        nll = group.call_rank0("evaluate", common.batches(collate, eval_examples, cfg.eval_batch_size), nll_fn)
         metrics["eval/loss"] = sum(s for s, _ in nll) / max(1.0, sum(n for _, n in nll))
         return metrics
 

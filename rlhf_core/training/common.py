@@ -150,3 +150,23 @@ class CollatePairs:
 
 def count_pairs(batch: list[dict]) -> dict:
     return {"num_pairs": len(batch)}
+
+
+def load_pairs(path: str, cfg: TrainConfig, tokenizer, fmt, rejects_dir: Path, name: str) -> list[dict]:
+    """Validated, tokenized preference pairs; over-long ones are rejected and counted."""
+    from rlhf_core.data.tokenize import tokenize_rows
+
+    rows = load_data(path, "pref", cfg, rejects_dir / f"{name}.jsonl")
+    pairs, too_long = tokenize_rows(rows, lambda r: tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), cfg.max_len)
+    check_too_long(too_long, len(rows), cfg, rejects_dir / f"{name}_too_long.jsonl")
+    return pairs
+
+
+def split_pairs(values) -> list[tuple[float, float]]:
+    """A `(2B,)` tensor laid out chosen-then-rejected -> B (chosen, rejected) tuples."""
+    b = values.shape[0] // 2
+    return list(zip(values[:b].tolist(), values[b:].tolist()))
+
+
+def batches(collate, examples: list[dict], size: int) -> list[dict]:
+    return [collate(examples[i:i + size]) for i in range(0, len(examples), size)]
