@@ -15,7 +15,6 @@ import importlib
 import json
 import logging
 import sys
-from pathlib import Path
 
 from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config
 from rlhf_core.data.io import DataError, load_rows

@@ -14,7 +14,6 @@ Clamp choice (as in verl's `low_var_kl`): for k3 the log-ratio is clamped to [-2
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 K3_LOG_RATIO_CLAMP = 20.0

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf_core.artifacts.manifest import hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict
 from rlhf_core.data.io import DataError, load_rows
-from rlhf_core.data.tokenize import pad_batch, prompt_ids
+from rlhf_core.data.tokenize import pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.engine import check_model_path
@@ -125,8 +125,6 @@ def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray:
 
 def tokenize_pair(tokenizer, prompt: list[int], row: dict, max_len: int) -> dict:
     """{chosen: {input_ids, loss_mask}, rejected: {...}, num_tokens}; TooLong if either is over."""
-    from rlhf_core.data.tokenize import prompt_response
-
     chosen = prompt_response(tokenizer, prompt, row["chosen"], max_len)
     rejected = prompt_response(tokenizer, prompt, row["rejected"], max_len)
     return {"chosen": chosen, "rejected": rejected, "num_tokens": len(chosen["input_ids"]) + len(rejected["input_ids"])}
@@ -154,8 +152,6 @@ def count_pairs(batch: list[dict]) -> dict:
 
 def load_pairs(path: str, cfg: TrainConfig, tokenizer, fmt, rejects_dir: Path, name: str) -> list[dict]:
     """Validated, tokenized preference pairs; over-long ones are rejected and counted."""
-    from rlhf_core.data.tokenize import tokenize_rows
-
     rows = load_data(path, "pref", cfg, rejects_dir / f"{name}.jsonl")
     pairs, too_long = tokenize_rows(rows, lambda r: tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), cfg.max_len)
     check_too_long(too_long, len(rows), cfg, rejects_dir / f"{name}_too_long.jsonl")
