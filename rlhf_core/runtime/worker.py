@@ -53,8 +53,10 @@ class TrainWorker:
         self.engine.backward(loss * self.world_size)
         self.engine.step()
         out = {k: float(v) for k, v in stats.items()}
-        out.update(loss=float(loss.detach()), skipped=0.0, lr=self.engine.get_lr()[0],
-                   grad_norm=float(self.engine.get_global_grad_norm() or 0.0))
+        out.update(loss=float(loss.detach()), skipped=0.0, lr=self.engine.get_lr()[0])
+        grad_norm = self.engine.get_global_grad_norm()  # None where DeepSpeed does not track it (ZeRO-0)
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
         return out
 
     @torch.no_grad()
