@@ -2,6 +2,8 @@
 
   rlhf prepare [--set k=v ...]            task data in data/ + tiny base model in artifacts/base/
   rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head)
+  rlhf lineage show PATH                  the artifact's ancestry back to raw data, code and config
+  rlhf lineage verify PATH                re-hash the whole chain; non-zero exit on any mismatch
   rlhf config show STAGE [--set k=v ...]  the resolved config of a stage, as JSON
   rlhf data check PATH --kind KIND        validate a user data file; rejects go to a file
 
@@ -55,6 +57,23 @@ def cmd_stage_run(args) -> int:
     return 0
 
 
+def cmd_lineage_show(args) -> int:
+    from rlhf_core.artifacts.lineage import render
+
+    print(render(args.path))
+    return 0
+
+
+def cmd_lineage_verify(args) -> int:
+    from rlhf_core.artifacts.lineage import verify_chain
+
+    problems = verify_chain(args.path)
+    for p in problems:
+        print(f"MISMATCH {p}", file=sys.stderr)
+    print(f"{args.path}: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'lineage intact'}")
+    return 1 if problems else 0
+
+
 def cmd_config_show(args) -> int:
     cfg = _resolve(args.stage, args)
     print(json.dumps({"stage": args.stage, "config_sha256": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
@@ -88,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
     p.set_defaults(func=cmd_stage_run)
 
+    lineage = sub.add_parser("lineage", help="audit artifacts").add_subparsers(dest="lineage_command", required=True)
+    p = lineage.add_parser("show", help="print the ancestry tree of an artifact (or a model dir inside one)")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_lineage_show)
+    p = lineage.add_parser("verify", help="re-hash the artifact and every ancestor; exit 1 naming any mismatch")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_lineage_verify)
+
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     p = with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))
     p.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
@@ -114,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DataError as e:
         print(f"rlhf: data error: {e}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as e:
+        print(f"rlhf: {e}", file=sys.stderr)
         return 1
 
 

@@ -81,11 +81,17 @@ def hardware() -> dict:
 
 
 def input_record(path: str | Path) -> dict:
-    """Lineage record of one input: an artifact dir (its manifest's hash) or a data file/dir."""
+    """Lineage record of one input: the artifact covering it (a dir with a manifest, or the
+    parent of one, e.g. `artifacts/sft/model` or `data/sft.jsonl`), with its manifest's hash;
+    otherwise plain data with per-file hashes."""
     path = Path(path)
-    manifest = path / MANIFEST
-    if manifest.is_file():
-        return {"path": path.as_posix(), "kind": "artifact", "manifest_sha256": sha256_file(manifest)}
+    for cand in (path, path.parent):
+        manifest = cand / MANIFEST
+        if not manifest.is_file():
+            continue
+        covered = json.loads(manifest.read_text()).get("files", {})
+        if cand == path or any(f == path.name or f.startswith(path.name + "/") for f in covered):
+            return {"path": cand.as_posix(), "kind": "artifact", "manifest_sha256": sha256_file(manifest)}
     return {"path": path.as_posix(), "kind": "data", "files": hash_tree(path)}
 
 

@@ -93,7 +93,8 @@ def model_card(stage: str, cfg: TrainConfig, metrics: dict, what: str) -> str:
 def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict) -> None:
     """metrics.json + manifest.json (checkpoints/ excluded: they carry their own checksums)."""
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    inputs = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data) if p and Path(p).exists()]
+    records = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data) if p and Path(p).exists()]
+    inputs = list({r["path"]: r for r in records}.values())  # train and eval data often share one artifact
     run_ids = {k: os.environ[v] for k, v in (("ray_job_id", "RAY_JOB_ID"),) if v in os.environ}
     write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,
                    metrics=metrics, seed=cfg.seed, run_ids=run_ids)

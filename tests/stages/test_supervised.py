@@ -145,3 +145,28 @@ def test_dpo_stage(project, ray_head, sft_reference):
     cache = json.loads((out / "checkpoints" / "reference_logps.json").read_text())
     assert len(cache["logps"]) == 400
     assert verify_manifest(out) == []
+
+
+def test_lineage_show_and_verify_chain(project, ray_head, sft_reference):
+    """dpo <- sft <- base <- data: the tree prints, verifies, and a flipped byte anywhere fails it."""
+    if not (project / "artifacts" / "dpo" / "manifest.json").exists():
+        test_dpo_stage(project, ray_head, sft_reference)
+    shown = rlhf("lineage", "show", "artifacts/dpo/model", cwd=project)
+    assert shown.returncode == 0, shown.stderr
+    for stage in ("[dpo]", "[sft]", "[prepare]", "[prepare-data]"):
+        assert stage in shown.stdout, (stage, shown.stdout)
+    ok = rlhf("lineage", "verify", "artifacts/dpo/model", cwd=project)
+    assert ok.returncode == 0 and "lineage intact" in ok.stdout, ok.stderr
+
+    for victim, needle in ((project / "artifacts/sft/model/model.safetensors", "artifacts/sft/model/model.safetensors: sha256 mismatch"),
+                           (project / "data/eval.jsonl", "data/eval.jsonl: sha256 mismatch"),
+                           (project / "artifacts/base/manifest.json", "artifacts/base/manifest.json: changed since")):
+        original = victim.read_bytes()
+        blob = bytearray(original)
+        blob[len(blob) // 2] ^= 0x01
+        victim.write_bytes(bytes(blob))
+        try:
+            bad = rlhf("lineage", "verify", "artifacts/dpo/model", cwd=project)
+            assert bad.returncode == 1 and needle in bad.stderr, (needle, bad.stderr)
+        finally:
+            victim.write_bytes(original)
