@@ -59,27 +59,23 @@ See `manifest.json` for the exact inputs and file hashes.
 """
 
 
-def write_data(cfg: Config) -> dict[str, int]:
-    """Generate, write and validate every split; returns row counts."""
+def write_data(cfg: Config) -> dict[str, list[dict]]:
+    """Generate, write and validate every split; returns the validated rows per split."""
     splits = generate_task(cfg.task, cfg.seed)
     data_dir = Path(cfg.data_dir)
-    counts = {}
+    validated = {}
     for name, (filename, kind) in SPLITS.items():
         write_jsonl(data_dir / filename, splits[name])
         # our own data goes through the same validation users' data does
-        result = load_rows(data_dir / filename, kind, rejects_path=data_dir / "rejects" / filename, max_reject_ratio=0.0)
-        counts[name] = len(result.rows)
-    return counts
+        validated[name] = load_rows(data_dir / filename, kind, rejects_path=data_dir / "rejects" / filename, max_reject_ratio=0.0).rows
+    return validated
 
 
-def build_base(cfg: Config, counts: dict[str, int]) -> dict:
+def build_base(cfg: Config, splits: dict[str, list[dict]]) -> dict:
     """Train the tokenizer, build the model and save both atomically into `output_dir`."""
-    data_dir = Path(cfg.data_dir)
-    corpus = []
-    for name in ("sft", "pref", "rl"):  # training splits only
-        for line in open(data_dir / SPLITS[name][0]):
-            row = json.loads(line)
-            corpus.append(row["prompt"] + row.get("response", row.get("chosen", "")))
+    counts = {name: len(rows) for name, rows in splits.items()}
+    # training splits only: the tokenizer never sees held-out text
+    corpus = [r["prompt"] + r.get("response", r.get("chosen", "")) for name in ("sft", "pref", "rl") for r in splits[name]]
     tokenizer = build_tokenizer(corpus, cfg.model.vocab_size)
     model = build_model(cfg.model, tokenizer, cfg.seed)
     params = sum(p.numel() for p in model.parameters())
@@ -102,11 +98,12 @@ def build_base(cfg: Config, counts: dict[str, int]) -> dict:
 
 def run(cfg: Config) -> dict:
     t0 = time.time()
-    counts = write_data(cfg)
+    splits = write_data(cfg)
+    counts = {name: len(rows) for name, rows in splits.items()}
     log.info("data: %s", ", ".join(f"{k}={v}" for k, v in counts.items()))
     write_manifest(cfg.data_dir, stage="prepare-data", config=config_to_dict(cfg.task), config_sha256=config_hash(cfg.task),
                    inputs=[], metrics={f"rows/{k}": v for k, v in counts.items()}, seed=cfg.seed)
-    metrics = build_base(cfg, counts)
+    metrics = build_base(cfg, splits)
     write_manifest(cfg.output_dir, stage="prepare", config=config_to_dict(cfg), config_sha256=config_hash(cfg),
                    inputs=[input_record(cfg.data_dir)], metrics=metrics, seed=cfg.seed)
     log.info("base model: %s params, vocab %s -> %s (%.1fs)", f"{metrics['params']:,}", metrics["vocab_size"], cfg.output_dir, time.time() - t0)
