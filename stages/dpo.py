@@ -75,8 +75,9 @@ def build_spec(cfg: Config, out_dir: Path):
     def compute_reference(group) -> None:
         """Once per example with the starting weights; cached for resumes (keyed by data + model)."""
         key = {"data": fingerprint, "model": str(cfg.model_path)}
-        if cache.is_file() and json.loads(cache.read_text())["key"] == key:
-            values = json.loads(cache.read_text())["logps"]
+        cached = json.loads(cache.read_text()) if cache.is_file() else {}
+        if cached.get("key") == key:
+            values = cached["logps"]
         else:
             plain = common.CollatePairs(tokenizer.pad_token_id)
             values = group.call_rank0("evaluate", common.batches(plain, pairs, cfg.eval_batch_size), ref_logps_fn)
