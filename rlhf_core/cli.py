@@ -22,7 +22,7 @@ from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_conf
 from rlhf_core.data.io import DataError, load_rows
 
 # stage name -> module with `Config` and `run(cfg)`; one line per stage
-STAGES = {"prepare": "stages.prepare", "sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo"}
+STAGES = {"prepare": "stages.prepare", "sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo", "rl": "stages.rl"}
 
 
 def _stage_module(name: str):

@@ -110,6 +110,18 @@ class TrainWorker:
             self.engine.module.save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
 
+    @torch.no_grad()
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The full weights (HF names, CPU tensors) for a weight sync into rollout engines;
+        ZeRO-3 shards are gathered first (every rank must call this)."""
+        module = self.engine.module
+        if self.cfg.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return [(k, v.detach().cpu().clone()) for k, v in module.state_dict().items()] if self.rank == 0 else []
+        return [(k, v.detach().cpu().clone()) for k, v in module.state_dict().items()] if self.rank == 0 else []
+
     def params_finite(self) -> bool:
         return all(torch.isfinite(p).all() for p in self.engine.module.parameters())
 

@@ -90,10 +90,11 @@ def model_card(stage: str, cfg: TrainConfig, metrics: dict, what: str) -> str:
             f"| metric | value |\n|---|---|\n{rows}\n\nSee `../manifest.json` for exact inputs and file hashes.\n")
 
 
-def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict) -> None:
-    """metrics.json + manifest.json (checkpoints/ excluded: they carry their own checksums)."""
+def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict, extra_inputs: tuple = ()) -> None:
+    """metrics.json + manifest.json (checkpoints/ excluded: they carry their own checksums).
+    `extra_inputs`: further files/dirs the result depends on (reward model, reward/agent code)."""
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    records = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data) if p and Path(p).exists()]
+    records = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p and Path(p).exists()]
     inputs = list({r["path"]: r for r in records}.values())  # train and eval data often share one artifact
     run_ids = {k: os.environ[v] for k, v in (("ray_job_id", "RAY_JOB_ID"),) if v in os.environ}
     write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,

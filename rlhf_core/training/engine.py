@@ -61,13 +61,16 @@ def check_model_path(path: str) -> None:
 
 
 def load_model(path: str, kind: str, cfg: TrainConfig):
-    """`kind`: "causal_lm" or "reward" (sequence classification head with one label)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    """`kind`: "causal_lm", "reward" (sequence classification head with one label) or "value"
+    (a critic: token classification head with one label = V(s_t) at every position)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     check_model_path(path)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     if kind == "reward":
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    elif kind == "value":
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     return model

@@ -63,9 +63,12 @@ class StageSpec:
 
 
 class WorkerGroup:
-    """N TrainWorker actors in one placement group (PACK: one bundle per worker)."""
+    """N TrainWorker actors in one placement group (PACK: one bundle per worker).
 
-    def __init__(self, spec: StageSpec, cfg: TrainConfig):
+    `share` < 1 lets other roles use the rest of each bundle (the RL colocated layout passes the
+    policy group's `pg` to its critic and to the rollout/reference/reward actors)."""
+
+    def __init__(self, spec: StageSpec, cfg: TrainConfig, share: float = 1.0, pg=None, model_kind: str | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -74,14 +77,14 @@ class WorkerGroup:
         from rlhf_core.runtime.worker import TrainWorker
 
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if cfg.gpus_per_worker else {})}
-        self.pg = placement_group([bundle] * cfg.num_workers, strategy="PACK")
+        self.pg = pg or placement_group([bundle] * cfg.num_workers, strategy="PACK")
         ray.get(self.pg.ready(), timeout=300)
         port = free_port()
         actor = ray.remote(TrainWorker)
         self.workers = [
-            actor.options(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker,
+            actor.options(num_cpus=cfg.cpus_per_worker * share, num_gpus=cfg.gpus_per_worker * share,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote(
-                r, cfg.num_workers, port, spec.model_path, spec.model_kind, cfg, spec.pad_token_id)
+                r, cfg.num_workers, port, spec.model_path, model_kind or spec.model_kind, cfg, spec.pad_token_id)
             for r in range(cfg.num_workers)
         ]
         self.call("state_fingerprint")  # surfaces construction errors now, not mid-step

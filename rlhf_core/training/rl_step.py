@@ -1,0 +1,142 @@
+"""The maths of one RL step, glued from `rlhf_core.algos` (no Ray, no I/O).
+
+Layout of a sample (a finished episode): `token_ids` = prompt + response, where the response may
+interleave model actions with environment feedback; every per-token list below is aligned with
+the *response* tokens (`len(token_ids) - prompt_len`) and `action_mask` marks model tokens.
+
+Collated batches place those lists at the positions where a causal LM predicts the token:
+response token at absolute position p  <->  logits row p - 1.  So every `(B, T-1)` tensor here
+(mask, logprobs, advantages, ...) lines up with `token_logprobs(logits[:, :-1], ids[:, 1:])`.
+"""
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.algos.advantages import ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES
+from rlhf_core.algos.aggregation import aggregate, masked_mean, masked_whiten
+from rlhf_core.algos.kl import kl_penalty
+from rlhf_core.algos.losses import IS_CORRECTIONS, POLICY_LOSSES, entropy_bonus, token_logprobs, value_loss
+from rlhf_core.algos.shaping import kl_shaped_rewards
+
+PER_TOKEN = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
+
+
+def response_matrix(samples: list[dict], key: str, width: int | None = None) -> torch.Tensor:
+    """Per-sample response-aligned lists -> `(B, L)` float tensor, right-padded with 0."""
+    width = width or max(len(s["action_mask"]) for s in samples)
+    out = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        v = s[key]
+        out[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
+def compute_advantages(samples: list[dict], algo: str, kl_coef: float, kl_in_reward: bool, kl_estimator: str, gamma: float,
+                       lam: float, whiten_gae: bool, reward_clip: float | None) -> dict:
+    """Fill `advantages`, `returns`, `kl` (per token) and `centred_score` in each sample; return
+    batch stats.  Scores must be finite (invalid samples are removed before this)."""
+    baseline, estimator = ALGO_RECIPES[algo]
+    mask = response_matrix(samples, "action_mask")
+    old, ref = response_matrix(samples, "old_logprobs"), response_matrix(samples, "ref_logprobs")
+    values = response_matrix(samples, "old_values") if estimator == "gae" else None
+    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+    groups = torch.tensor([s["group"] for s in samples])
+    centred = SCORE_BASELINES[baseline](scores, groups)
+    kl = kl_penalty(old, ref, kl_estimator) * mask
+    token_rewards = kl_shaped_rewards(centred, kl, mask, kl_coef if kl_in_reward else 0.0, reward_clip)
+    adv, ret = ESTIMATORS[estimator](token_rewards, values, mask, gamma, lam)
+    if estimator == "gae" and whiten_gae:
+        adv = masked_whiten(adv, mask)
+    for i, s in enumerate(samples):
+        n = len(s["action_mask"])
+        s["advantages"], s["returns"], s["kl"] = adv[i, :n].tolist(), ret[i, :n].tolist(), kl[i, :n].tolist()
+        s["centred_score"] = float(centred[i])
+    seq_kl = (kl * mask).sum(-1)
+    return {"kl": float(seq_kl.mean()), "kl_token": float(masked_mean(kl, mask)), "advantage_abs": float(masked_mean(adv.abs(), mask))}
+
+
+class RLCollate:
+    """Samples -> padded tensors for the workers (see the module doc for the alignment)."""
+
+    def __init__(self, pad_id: int, keys: tuple[str, ...] = PER_TOKEN):
+        self.pad_id, self.keys = pad_id, keys
+
+    def __call__(self, samples: list[dict]) -> dict:
+        T = max(len(s["token_ids"]) for s in samples)
+        B = len(samples)
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(B, T, dtype=torch.long)
+        out = {k: torch.zeros(B, T - 1) for k in self.keys if k in samples[0]}
+        for i, s in enumerate(samples):
+            n, p = len(s["token_ids"]), s["prompt_len"]
+            ids[i, :n] = torch.tensor(s["token_ids"])
+            attn[i, :n] = 1
+            for k in out:
+                out[k][i, p - 1 : n - 1] = torch.tensor(s[k], dtype=torch.float32)
+        out.update(input_ids=ids, attention_mask=attn, prompt_len=torch.tensor([s["prompt_len"] for s in samples]),
+                   length=torch.tensor([len(s["token_ids"]) for s in samples]))
+        return out
+
+
+def _slices(t: torch.Tensor, batch: dict) -> list[list[float]]:
+    """`(B, T-1)` -> each sample's response-aligned list."""
+    return [t[i, p - 1 : n - 1].tolist() for i, (p, n) in enumerate(zip(batch["prompt_len"].tolist(), batch["length"].tolist()))]
+
+
+# --- run inside the workers (pickled by reference) -----------------------------------------
+
+
+def logprobs_fn(model, batch) -> list[list[float]]:
+    """Each sample's response-token log-probs under `model` (old / reference log-probs)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    return _slices(token_logprobs(logits, batch["input_ids"][:, 1:]), batch)
+
+
+def values_fn(model, batch) -> list[list[float]]:
+    """Critic values V(s_t) before each response token (token-classification head, 1 label)."""
+    values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+    return _slices(values, batch)
+
+
+def policy_loss_fn(model, batch, counts, loss_type: str, clip_low: float, clip_high: float, dual_clip: float | None, agg_mode: str,
+                   norm_len: int, kl_loss_coef: float, kl_estimator: str, entropy_coef: float, is_correction: str | None,
+                   is_low: float, is_high: float):
+    """Policy-gradient loss (ppo/gspo surrogate) + optional KL-to-reference loss term + entropy
+    bonus.  Aggregated with the *global* token/sequence counts of the mini-batch, so the ranks'
+    losses sum to the single-process loss."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    lp = token_logprobs(logits, batch["input_ids"][:, 1:])
+    mask = batch["action_mask"]
+    agg = dict(agg_mode=agg_mode, num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=norm_len)
+    is_w, stats = None, {}
+    if is_correction:
+        is_w, stats = IS_CORRECTIONS[is_correction](batch["old_logprobs"], batch["engine_logprobs"], mask, is_low, is_high)
+    loss, pstats = POLICY_LOSSES[loss_type](lp, batch["old_logprobs"], batch["advantages"], mask, clip_low, clip_high, dual_clip, is_w, **agg)
+    stats.update(pstats)
+    if kl_loss_coef:
+        kl = kl_penalty(lp, batch["ref_logprobs"], kl_estimator)
+        kl_term = aggregate(kl, mask, agg_mode, counts["num_tokens"], counts["num_seqs"], norm_len)
+        loss = loss + kl_loss_coef * kl_term
+        stats["kl_loss"] = masked_mean(kl.detach(), mask)
+    if entropy_coef:
+        ent_loss, estats = entropy_bonus(logits, mask, entropy_coef, **agg)
+        loss = loss + ent_loss
+        stats.update(estats)
+    else:
+        with torch.no_grad():
+            from rlhf_core.algos.losses import entropy_from_logits
+
+            stats["entropy"] = masked_mean(entropy_from_logits(logits), mask)
+    return loss, stats
+
+
+def critic_loss_fn(model, batch, counts, value_clip: float | None, agg_mode: str, norm_len: int):
+    values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+    return value_loss(values, batch["old_values"], batch["returns"], batch["action_mask"], value_clip, agg_mode,
+                      counts["num_tokens"], counts["num_seqs"], norm_len)
+
+
+def token_counts(samples: list[dict]) -> dict:
+    """Global counts for loss aggregation over one mini-batch (all ranks)."""
+    tokens = sum(sum(s["action_mask"]) for s in samples)
+    return {"num_tokens": max(1, tokens), "num_seqs": max(1, sum(1 for s in samples if any(s["action_mask"])))}

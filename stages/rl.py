@@ -1,0 +1,506 @@
+"""Stage `rl`: PPO, GRPO, Dr.GRPO, RLOO, REINFORCE++ (+baseline) over agent rollouts.
+
+One step (ARCHITECTURE.md §5), driven from here, the single controller:
+
+  prompts -> rollout workers (engine + environment) -> reward worker -> reference / policy /
+  critic forwards -> advantages (`rl_step.compute_advantages`, all maths from `rlhf_core.algos`)
+  -> rollouts/step_N.parquet -> policy (+ critic) DeepSpeed updates -> weight sync into every
+  engine in place (policy_version + 1).
+
+Exact resume: prompts are a pure function of (seed, consumed), every sample has its own seed,
+and checkpoints hold the policy and critic engines, RNG states, the KL controller and counters.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dynamic_sampling_filter, overlong_penalty
+from rlhf_core.artifacts import rollouts as rollout_io
+from rlhf_core.evaluation import exact_match_accuracy
+from rlhf_core.training import checkpoint as ckpt
+from rlhf_core.training import common
+from rlhf_core.training import rl_step
+from rlhf_core.training.config import TrainConfig
+from rlhf_core.training.loop import StageSpec, WorkerGroup, resume_key, resume_point, save_final_model
+
+log = logging.getLogger("rlhf.rl")
+GROUP_ALGOS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(TrainConfig):
+    model_path: str | None = "artifacts/sft/model"
+    train_data: str = "data/rl.jsonl"
+    eval_data: str = "data/eval.jsonl"
+    output_dir: str = "artifacts/rl"
+    algo: Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    max_steps: int = 40
+    save_steps: int = 10
+    eval_steps: int = 10
+    log_steps: int = 1
+    lr: float = 2e-4
+    warmup_steps: int = 0
+    lr_scheduler: Literal["cosine", "constant"] = "constant"
+    # rollout
+    prompts_per_step: int = 16
+    n_samples: int = 8
+    """Samples per prompt (the group of the group-baseline algorithms; >= 2 for them)."""
+    global_batch_size: int = 128
+    """Samples per optimizer step (mini-batch); prompts_per_step * n_samples / this = updates per epoch."""
+    ppo_epochs: int = 1
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    engine: Literal["vllm", "hf"] = "vllm"
+    layout: Literal["colocated", "separate"] = "colocated"
+    """colocated: every role shares the trainer's placement-group bundles (engines sleep during
+    updates where supported); separate: rollout/reference/reward actors get their own resources."""
+    rollout_workers: int = 1
+    rollout_cpus: float = 1.0
+    rollout_gpus: float = 0.0
+    engine_sleep: bool = False
+    """Free the engine's memory during updates (vLLM sleep mode; GPU only)."""
+    gpu_memory_utilization: float = 0.05
+    rollout_timeout: float = 600.0
+    """Seconds a rollout / weight sync / reward call may take before it is an error (never a hang)."""
+    # agent and rewards
+    agent: str = "single_turn"
+    """Built-in environment: single_turn | retry_arithmetic (multi-turn with feedback)."""
+    agent_file: str | None = None
+    """Python file defining `class Environment` (reset(prompt, label), step(action)); overrides `agent`."""
+    max_turns: int = 8
+    env_timeout: float = 30.0
+    reward_file: str | None = None
+    """Python file with `def reward(prompts, responses, labels, **kw)`; with no reward source and
+    no environment reward, the built-in exact match against `label` is used."""
+    reward_model: str | None = None
+    """A reward model directory (the rm stage's model/); scores are normalised by its reward_stats.json."""
+    reward_url: str | None = None
+    """A reward server (`rlhf serve-reward`), e.g. http://127.0.0.1:8765/score."""
+    reward_file_weight: float = 1.0
+    reward_model_weight: float = 1.0
+    reward_url_weight: float = 1.0
+    env_reward_weight: float = 1.0
+    reward_url_timeout: float = 10.0
+    reward_url_retries: int = 3
+    max_invalid_ratio: float = 0.1
+    """Samples with an invalid reward are dropped and counted; above this fraction the step aborts."""
+    # objective
+    kl_coef: float = 0.01
+    kl_mode: Literal["loss", "reward", "none"] = "loss"
+    """KL to the reference as a loss term (GRPO style) or as a per-token reward penalty (PPO style)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    adaptive_kl: bool = False
+    kl_target: float = 0.1
+    kl_horizon: float = 10000.0
+    loss_type: Literal["ppo", "gspo"] = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """DAPO clip-higher: e.g. 0.28."""
+    dual_clip: float | None = None
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_gae: bool = True
+    reward_clip: float = 10.0
+    critic_lr: float = 1e-3
+    value_clip: float | None = 0.2
+    is_correction: Literal["tis", "icepop", "seq_mask_tis"] | None = None
+    """Importance-sampling correction between engine and trainer log-probs (TIS options)."""
+    is_low: float = 0.5
+    is_high: float = 2.0
+    dynamic_sampling: bool = False
+    """DAPO: drop prompt groups whose scores are all equal (they carry no group advantage)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty: ramp over the last N tokens of max_new_tokens (0 = off)."""
+    overlong_penalty: float = 1.0
+    # eval
+    pass_k: int = 4
+    """Eval pass@k: k samples per prompt at `temperature`."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.algo in GROUP_ALGOS and self.n_samples < 2:
+            raise ValueError(f"rl.algo={self.algo} needs n_samples >= 2 (it baselines each sample against its group), got {self.n_samples}")
+        total = self.prompts_per_step * self.n_samples
+        if total % self.global_batch_size:
+            raise ValueError(f"prompts_per_step * n_samples = {total} must be a multiple of global_batch_size = {self.global_batch_size}")
+
+
+# --- the roles ------------------------------------------------------------------------------
+
+
+class Roles:
+    """Policy (+ critic) trainers, reference, rollout and reward actors, placed per `layout`."""
+
+    def __init__(self, cfg: Config, model_path: str, pad_id: int):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlhf_core.rollout.workers import ForwardWorker, RewardWorker, RolloutWorker
+
+        ppo = cfg.algo == "ppo"
+        colocated = cfg.layout == "colocated"
+        n_roles = 4 + ppo  # policy, (critic), reference, rollout, reward share a bundle when colocated
+        share = 1.0 / n_roles if colocated else 1.0
+        spec = StageSpec(name="rl", model_path=model_path, model_kind="causal_lm", examples=[], collate=None, loss_fn=None,
+                         counts=None, evaluate=None, data_fingerprint="", pad_token_id=pad_id)
+        self.policy = WorkerGroup(spec, cfg, share=share)
+        self.critic = WorkerGroup(spec, replace(cfg, lr=cfg.critic_lr), share=share, pg=self.policy.pg if colocated else None,
+                                  model_kind="value") if ppo else None
+
+        def place(i: int, cpus: float, gpus: float) -> dict:
+            if colocated:
+                b = i % cfg.num_workers
+                return dict(num_cpus=cfg.cpus_per_worker * share, num_gpus=cfg.gpus_per_worker * share,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.policy.pg, placement_group_bundle_index=b))
+            return dict(num_cpus=cpus, num_gpus=gpus)
+
+        env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}}
+        self.reference = ray.remote(ForwardWorker).options(**place(0, 0.25, cfg.rollout_gpus)).remote(model_path, cfg.dtype, cfg.trust_remote_code)
+        self.rollout = [
+            ray.remote(RolloutWorker).options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus), runtime_env=env).remote(
+                cfg.engine, model_path, cfg.max_len, cfg.seed + i, cfg.agent, cfg.agent_file and str(Path(cfg.agent_file).resolve()),
+                cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep, cfg.trust_remote_code,
+                max(1, int(cfg.rollout_cpus)))
+            for i in range(cfg.rollout_workers)
+        ]
+        builtin = not (cfg.reward_file or cfg.reward_model or cfg.reward_url) and cfg.agent == "single_turn" and not cfg.agent_file
+        weights = {"reward_file": cfg.reward_file_weight, "reward_model": cfg.reward_model_weight, "reward_url": cfg.reward_url_weight,
+                   "env": cfg.env_reward_weight}
+        absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
+        self.reward = ray.remote(RewardWorker).options(**place(0, 0.25, 0.0)).remote(
+            absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
+            cfg.reward_url_retries, builtin, cfg.trust_remote_code)
+        self.timeout = cfg.rollout_timeout
+        # surface construction errors (bad model path, missing reward file, engine start-up) now
+        self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()], "starting the rollout/reward/reference actors")
+
+    def get(self, refs, what: str):
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{what} took longer than rollout_timeout={self.timeout}s") from None
+
+    def sync_weights(self, version: int) -> float:
+        """Policy weights -> every engine, in place.  Returns seconds."""
+        import ray
+
+        t0 = time.time()
+        weights = self.get([w.named_weights.remote() for w in self.policy.workers], "reading policy weights")[0]
+        ref = ray.put(weights)
+        self.get([w.wake_up.remote() for w in self.rollout], "engine wake-up")
+        self.get([w.update_weights.remote(ref, version) for w in self.rollout], "weight sync")
+        return time.time() - t0
+
+
+# --- one step -------------------------------------------------------------------------------
+
+
+def rollout(roles: Roles, cfg: Config, rows: list[dict], step_prompts: list[int], consumed: int) -> list[dict]:
+    """Every prompt x n_samples as an episode, spread over the rollout workers."""
+    jobs = []
+    for j, idx in enumerate(step_prompts):
+        for k in range(cfg.n_samples):
+            seed = (cfg.seed * 1_000_003 + (consumed + j) * cfg.n_samples + k) % (2**31)
+            jobs.append({"row": rows[idx], "group": consumed + j, "sample_index": k, "seed": seed})
+    shards = [jobs[i::len(roles.rollout)] for i in range(len(roles.rollout))]
+    refs = [w.rollout.remote([x["row"]["prompt"] for x in s], [x["row"]["label"] for x in s], [x["seed"] for x in s], cfg.max_new_tokens,
+                             cfg.temperature) for w, s in zip(roles.rollout, shards) if s]
+    results = roles.get(refs, "rollout")
+    samples = []
+    for shard, eps in zip([s for s in shards if s], results):
+        for job, ep in zip(shard, eps):
+            ep.update(prompt=job["row"]["prompt"], label=job["row"]["label"], prompt_id=job["row"].get("id", str(job["group"])),
+                      group=job["group"], sample_index=job["sample_index"], filter="kept")
+            samples.append(ep)
+    samples.sort(key=lambda s: (s["group"], s["sample_index"]))
+    return samples
+
+
+def score(roles: Roles, cfg: Config, samples: list[dict]) -> int:
+    """Rewards + penalties into each sample; returns the number of invalid samples."""
+    scored = roles.get(roles.reward.score.remote(samples), "reward")
+    invalid = 0
+    for s, r in zip(samples, scored):
+        s["reward"], s["components"], s["invalid"] = r["score"], r["components"], r["invalid"]
+        if r["invalid"]:
+            s["filter"], invalid = "invalid", invalid + 1
+            continue
+        penalty = 0.0
+        if cfg.overlong_buffer:
+            import torch
+
+            length = torch.tensor([float(sum(s["action_mask"]))])
+            penalty = float(overlong_penalty(length, cfg.max_new_tokens * s["turns"], cfg.overlong_buffer, cfg.overlong_penalty)[0])
+            s["components"]["overlong_penalty"] = penalty
+        s["score"] = s["reward"] + penalty
+    if invalid:
+        reasons = sorted({s["invalid"] for s in samples if s["invalid"]})
+        log.warning("%d of %d samples have an invalid reward (dropped): %s", invalid, len(samples), reasons[:3])
+    if invalid / len(samples) > cfg.max_invalid_ratio:
+        raise RuntimeError(f"{invalid} of {len(samples)} samples have an invalid reward, above max_invalid_ratio={cfg.max_invalid_ratio}: "
+                           f"{sorted({s['invalid'] for s in samples if s['invalid']})[:3]}")
+    return invalid
+
+
+def apply_dynamic_sampling(samples: list[dict]) -> None:
+    import torch
+
+    kept = [s for s in samples if s["filter"] == "kept"]
+    if not kept:
+        return
+    keep = dynamic_sampling_filter(torch.tensor([s["score"] for s in kept]), torch.tensor([s["group"] for s in kept]))
+    for s, k in zip(kept, keep.tolist()):
+        if not k:
+            s["filter"] = "zero_variance_group"
+
+
+def forward_stats(roles: Roles, cfg: Config, samples: list[dict], collate) -> None:
+    """old log-probs (policy), reference log-probs, values (critic) for the kept samples."""
+    batches = common.batches(collate, samples, cfg.eval_batch_size)
+    ref = roles.reference.evaluate.remote(batches, rl_step.logprobs_fn)
+    old = roles.policy.call_rank0("evaluate", batches, rl_step.logprobs_fn)
+    values = roles.critic.call_rank0("evaluate", batches, rl_step.values_fn) if roles.critic else None
+    ref = roles.get(ref, "reference forward")
+    for i, s in enumerate(samples):
+        s["old_logprobs"], s["ref_logprobs"] = old[i], ref[i]
+        if values is not None:
+            s["old_values"] = values[i]
+
+
+def update(group: WorkerGroup, cfg: Config, samples: list[dict], collate, loss_fn, step: int) -> list[dict]:
+    """`ppo_epochs` passes over the samples in mini-batches of global_batch_size (rescaled when
+    filtering removed samples); deterministic shuffles."""
+    rows, n = [], len(group.workers)
+    n_mb = max(1, min(round(cfg.prompts_per_step * cfg.n_samples / cfg.global_batch_size), len(samples) // n))
+    for epoch in range(cfg.ppo_epochs):
+        order = list(range(len(samples)))
+        random.Random(cfg.seed * 7919 + step * 31 + epoch).shuffle(order)
+        size = math.ceil(len(order) / n_mb)
+        for start in range(0, len(order), size):
+            mb = [samples[i] for i in order[start:start + size]]  # >= n samples: every rank gets one
+            results = group.train_step(mb, collate, loss_fn, rl_step.token_counts(mb))
+            rows.append({k: sum(r[k] for r in results) / (1 if k == "loss" else len(results)) for k in results[0]})
+    return rows
+
+
+# --- eval -----------------------------------------------------------------------------------
+
+
+def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_prompts: list[list[int]]) -> dict:
+    """Greedy `eval/accuracy` and sampled pass@k through the rollout engine (so it measures the
+    weights the engine actually holds); success rate of the environment for reward-giving agents."""
+    w = roles.rollout[0]
+    labels = [r["label"] for r in eval_rows]
+    greedy = roles.get(w.greedy.remote(eval_prompts, cfg.eval_max_new_tokens), "eval generation")
+    metrics = {"eval/accuracy": exact_match_accuracy([tokenizer.decode(g, skip_special_tokens=True) for g in greedy], labels)}
+    if cfg.pass_k > 1:
+        prompts = [p for p in eval_prompts for _ in range(cfg.pass_k)]
+        seeds = [10_000_019 + i for i in range(len(prompts))]
+        outs = roles.get(w.sample.remote(prompts, cfg.eval_max_new_tokens, cfg.temperature, seeds), "eval sampling")
+        texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+        solved = [any(exact_match_accuracy([texts[i * cfg.pass_k + k]], [labels[i]]) for k in range(cfg.pass_k)) for i in range(len(labels))]
+        metrics[f"eval/pass@{cfg.pass_k}"] = sum(solved) / len(solved)
+    if cfg.agent != "single_turn" or cfg.agent_file:
+        eps = roles.get(w.rollout.remote([r["prompt"] for r in eval_rows], labels, list(range(len(labels))), cfg.max_new_tokens, 0.0), "eval episodes")
+        rewards = [e["env_reward"] for e in eps if e["env_reward"] is not None]
+        if rewards:
+            metrics["eval/success_rate"] = sum(r > 0 for r in rewards) / len(eps)
+            metrics["eval/turns"] = sum(e["turns"] for e in eps) / len(eps)
+    return metrics
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(roles: Roles, ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
+    if not all(roles.policy.call("params_finite")):
+        raise FloatingPointError(f"non-finite policy weights at step {step}: refusing to checkpoint them")
+    tmp = ckpt.begin(ckpt_dir, step)
+    roles.policy.call("save_checkpoint", str(tmp / "policy"))
+    if roles.critic:
+        roles.critic.call("save_checkpoint", str(tmp / "critic"))
+    ckpt.commit(ckpt_dir, tmp, step, state, keep)
+    log.info("checkpoint %s", ckpt.step_name(step))
+
+
+def run(cfg: Config) -> dict:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    out_dir = Path(cfg.output_dir).resolve()
+    tokenizer = common.load_tokenizer(cfg)
+    model_path = str(Path(cfg.model_path).resolve()) if Path(cfg.model_path).exists() else cfg.model_path
+    rows = common.load_data(cfg.train_data, "rl", cfg, out_dir / "rejects" / "train.jsonl")
+    eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
+    eval_prompts = [tokenizer(r["prompt"]).input_ids for r in eval_rows]
+    fingerprint = common.data_fingerprint(cfg)
+    ckpt_dir = out_dir / "checkpoints"
+    key = resume_key(cfg)
+    spec = StageSpec(name="rl", model_path=model_path, model_kind="causal_lm", examples=rows, collate=None, loss_fn=None, counts=None,
+                     evaluate=None, data_fingerprint=fingerprint)
+    found = resume_point(ckpt_dir, cfg, spec, key)
+
+    roles = Roles(cfg, model_path, tokenizer.pad_token_id)
+    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
+    history_path, rollout_dir = out_dir / "train_history.jsonl", out_dir / "rollouts"
+    if found:
+        path, state = found
+        roles.policy.call("load_checkpoint", str(path / "policy"))
+        if roles.critic:
+            roles.critic.call("load_checkpoint", str(path / "critic"))
+        kl_ctl.load_state_dict(state["kl_controller"])
+        roles.sync_weights(state["step"])
+        rows_kept = [line for line in history_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]] if history_path.exists() else []
+        history_path.write_text("".join(line + "\n" for line in rows_kept))
+        for f in rollout_dir.glob("step_*.parquet"):  # rollouts of steps the killed run never checkpointed
+            if int(f.stem.split("_")[1]) > state["step"]:
+                f.unlink()
+        log.info("resumed from %s (step %d, policy_version %d)", path.name, state["step"], state["step"])
+    else:
+        import shutil
+
+        for p in (history_path,):
+            p.unlink(missing_ok=True)
+        shutil.rmtree(rollout_dir, ignore_errors=True)
+        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
+        state = {"step": 0, "consumed": 0, "invalid": 0, "data_fingerprint": fingerprint, "resume_key": key, "run_id": f"rl-{int(time.time())}",
+                 "init_metrics": {}, "best": {}}
+        init = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
+        state["init_metrics"] = {k + "_init": v for k, v in init.items()}
+        state["best"] = {"step": 0, **init}
+        log.info("before training: %s", init)
+
+    pad = tokenizer.pad_token_id
+    collate = rl_step.RLCollate(pad)
+    ppo = cfg.algo == "ppo"
+    policy_loss = partial(rl_step.policy_loss_fn, loss_type=cfg.loss_type, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                          dual_clip=cfg.dual_clip, agg_mode=cfg.loss_agg_mode, norm_len=cfg.max_new_tokens,
+                          kl_loss_coef=0.0, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
+                          is_correction=cfg.is_correction, is_low=cfg.is_low, is_high=cfg.is_high)
+    critic_loss = partial(rl_step.critic_loss_fn, value_clip=cfg.value_clip, agg_mode=cfg.loss_agg_mode, norm_len=cfg.max_new_tokens)
+    writer = SummaryWriter(str(out_dir / "tensorboard"))
+    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rl", unit="step", dynamic_ncols=True, mininterval=2)
+    t0, start_step = time.time(), state["step"]
+    while state["step"] < cfg.max_steps:
+        step = state["step"] + 1
+        times = {}
+        tic = time.time()
+        idx = _take(len(rows), cfg, state["consumed"])
+        samples = rollout(roles, cfg, rows, idx, state["consumed"])
+        times["rollout_s"] = time.time() - tic
+        tic = time.time()
+        invalid = score(roles, cfg, samples)
+        if cfg.dynamic_sampling:
+            apply_dynamic_sampling(samples)
+        kept = [s for s in samples if s["filter"] == "kept"]
+        times["reward_s"] = time.time() - tic
+        tic = time.time()
+        row = {"step": step}
+        if len(kept) >= len(roles.policy.workers):
+            forward_stats(roles, cfg, kept, collate)
+            adv_stats = rl_step.compute_advantages(kept, cfg.algo, kl_ctl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
+                                                   cfg.lam, cfg.whiten_gae, cfg.reward_clip)
+            times["forward_s"] = time.time() - tic
+            tic = time.time()
+            kl_coef_loss = kl_ctl.value if cfg.kl_mode == "loss" else 0.0
+            stats = update(roles.policy, cfg, kept, collate, partial(policy_loss, kl_loss_coef=kl_coef_loss), step)
+            if ppo:
+                cstats = update(roles.critic, cfg, kept, collate, critic_loss, step)
+                row.update({f"critic/{k}": sum(r[k] for r in cstats) / len(cstats) for k in ("loss", "value_error") if cstats and k in cstats[0]})
+            times["update_s"] = time.time() - tic
+            row.update({f"train/{k}": sum(r[k] for r in stats) / len(stats) for k in stats[0] if k != "skipped"} if stats else {})
+            row.update(adv_stats)
+            if any(r.get("skipped") for r in stats):
+                raise FloatingPointError(f"step {step}: non-finite policy loss; check rl.lr and the rewards")
+        else:
+            log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
+            adv_stats = {"kl": 0.0}
+        tic = time.time()
+        times["sync_s"] = roles.sync_weights(step)
+        kl_ctl.update(adv_stats["kl"], len(kept))
+        rollout_io.write_step(rollout_dir, step, samples, state["run_id"])
+        state["step"], state["consumed"], state["invalid"] = step, state["consumed"] + len(idx), state["invalid"] + invalid
+        state["kl_controller"] = kl_ctl.state_dict()
+        valid = [s["reward"] for s in samples if not s["invalid"]]
+        row.update({"reward_mean": sum(valid) / max(1, len(valid)), "invalid": invalid, "kept": len(kept), "kl_coef": kl_ctl.value,
+                    "response_length": sum(sum(s["action_mask"]) for s in samples) / len(samples),
+                    "truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+                    "policy_version": step, **times})
+        for k, v in row.items():
+            if k != "step":
+                writer.add_scalar(k if "/" in k else f"rl/{k}", v, step)
+        with open(history_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        bar.update(1)
+        if step % cfg.log_steps == 0 or step == cfg.max_steps:
+            el = time.time() - t0
+            log.info("step %d/%d reward %.3f kl %.4f loss %.4f len %.1f | rollout %.1fs update %.1fs sync %.2fs | ETA %.0fs", step, cfg.max_steps,
+                     row["reward_mean"], adv_stats["kl"], row.get("train/loss", float("nan")), row["response_length"], times["rollout_s"],
+                     times.get("update_s", 0.0), times["sync_s"], el / (step - start_step) * (cfg.max_steps - step))
+        if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
+            _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:
+            save_checkpoint(roles, ckpt_dir, step, state, cfg.keep_checkpoints)
+        from rlhf_core.training.loop import _maybe_inject_fault
+
+        _maybe_inject_fault(step)
+    bar.close()
+    metrics = _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
+    writer.close()
+    metrics.update(state["init_metrics"])
+    metrics.update({"train/steps": state["step"], "train/invalid_rewards": state["invalid"], "train/wall_s": round(time.time() - t0, 1),
+                    "best/step": state["best"]["step"], "best/eval_accuracy": state["best"]["eval/accuracy"]})
+    last = json.loads(history_path.read_text().splitlines()[-1])
+    metrics["train/reward_mean"] = last["reward_mean"]
+    card = common.model_card("rl", cfg, metrics, f"Policy trained with `{cfg.algo}` on agent rollouts ({cfg.agent_file or cfg.agent}) "
+                             f"generated by `{cfg.engine}`; per-step rollouts are in `../rollouts/`.")
+    save_final_model(roles.policy, out_dir, tokenizer, card)
+    common.finish(out_dir, "rl", cfg, metrics, extra_inputs=(cfg.reward_model, cfg.reward_file, cfg.agent_file))
+    return metrics
+
+
+def _take(n: int, cfg: Config, consumed: int) -> list[int]:
+    from rlhf_core.training.loop import take
+
+    return take(n, cfg.seed, consumed, cfg.prompts_per_step)
+
+
+def _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir: Path) -> dict:
+    """Evaluate, log, and keep the best model so far in `best_model/` (by eval/accuracy)."""
+    import os
+    import shutil
+
+    metrics = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
+    for k, v in metrics.items():
+        writer.add_scalar(k, v, state["step"])
+    log.info("eval at step %d: %s", state["step"], metrics)
+    if metrics["eval/accuracy"] > state["best"].get("eval/accuracy", -1.0):
+        state["best"] = {"step": state["step"], **metrics}
+        tmp, final = out_dir / ".tmp-best", out_dir / "best_model"
+        shutil.rmtree(tmp, ignore_errors=True)
+        roles.policy.call("save_model", str(tmp))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "best.json").write_text(json.dumps(state["best"], indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.stage_main(Config, "rl", run, argv)
+
+
+if __name__ == "__main__":
+    main()
