@@ -2,6 +2,8 @@
 
   rlhf prepare [--set k=v ...]            task data in data/ + tiny base model in artifacts/base/
   rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head)
+  rlhf rollouts show PATH                 summary of RL rollout Parquet
+  rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1 (for rl.reward_url)
   rlhf lineage show PATH                  the artifact's ancestry back to raw data, code and config
   rlhf lineage verify PATH                re-hash the whole chain; non-zero exit on any mismatch
   rlhf config show STAGE [--set k=v ...]  the resolved config of a stage, as JSON
@@ -74,6 +76,20 @@ def cmd_lineage_verify(args) -> int:
     return 1 if problems else 0
 
 
+def cmd_rollouts_show(args) -> int:
+    from rlhf_core.artifacts.rollouts import summarize
+
+    print(summarize(args.path, args.samples))
+    return 0
+
+
+def cmd_serve_reward(args) -> int:
+    from rlhf_core.rollout.reward_server import serve
+
+    serve(args.model, args.host, args.port)
+    return 0
+
+
 def cmd_config_show(args) -> int:
     cfg = _resolve(args.stage, args)
     print(json.dumps({"stage": args.stage, "config_sha256": config_hash(cfg), "config": config_to_dict(cfg)}, indent=2))
@@ -114,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = lineage.add_parser("verify", help="re-hash the artifact and every ancestor; exit 1 naming any mismatch")
     p.add_argument("path")
     p.set_defaults(func=cmd_lineage_verify)
+
+    rollouts = sub.add_parser("rollouts", help="inspect RL rollouts").add_subparsers(dest="rollouts_command", required=True)
+    p = rollouts.add_parser("show", help="per-step reward/length/KL summary and a few samples of rollout Parquet")
+    p.add_argument("path", help="artifacts/rl/rollouts or one step_NNNNNN.parquet")
+    p.add_argument("--samples", type=int, default=3, help="samples to print from the last step")
+    p.set_defaults(func=cmd_rollouts_show)
+
+    p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score) for rl.reward_url")
+    p.add_argument("model", help="reward model dir, e.g. artifacts/rm/model")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; the server has no auth)")
+    p.add_argument("--port", type=int, default=8765)
+    p.set_defaults(func=cmd_serve_reward)
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     p = with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))

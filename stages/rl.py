@@ -125,6 +125,9 @@ class Config(TrainConfig):
     # eval
     pass_k: int = 4
     """Eval pass@k: k samples per prompt at `temperature`."""
+    sync_check_prompts: int = 32
+    """At each eval, compare the engine's greedy output with the trainer's on this many eval
+    prompts (`eval/sync_greedy_match`, 1.0 when the weight sync is exact)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -156,6 +159,14 @@ class Roles:
         self.policy = WorkerGroup(spec, cfg, share=share)
         self.critic = WorkerGroup(spec, replace(cfg, lr=cfg.critic_lr), share=share, pg=self.policy.pg if colocated else None,
                                   model_kind="value") if ppo else None
+
+        if not colocated:
+            need = cfg.num_workers * cfg.cpus_per_worker * (1 + ppo) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
+            have = ray.cluster_resources().get("CPU", 0)
+            if need > have:
+                raise RuntimeError(f"layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{' x2 with the critic' if ppo else ''}, "
+                                   f"rollout {cfg.rollout_workers}x{cfg.rollout_cpus:g}, reference + reward 0.5) but the cluster has {have:g}; "
+                                   f"lower rl.rollout_cpus / rl.cpus_per_worker or use rl.layout=colocated")
 
         def place(i: int, cpus: float, gpus: float) -> dict:
             if colocated:
@@ -191,6 +202,10 @@ class Roles:
             return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{what} took longer than rollout_timeout={self.timeout}s") from None
+
+    def sleep_engines(self) -> None:
+        """Colocated layout: let the engines free their memory while the trainers update."""
+        self.get([w.sleep.remote() for w in self.rollout], "engine sleep")
 
     def sync_weights(self, version: int) -> float:
         """Policy weights -> every engine, in place.  Returns seconds."""
@@ -305,6 +320,13 @@ def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_p
     labels = [r["label"] for r in eval_rows]
     greedy = roles.get(w.greedy.remote(eval_prompts, cfg.eval_max_new_tokens), "eval generation")
     metrics = {"eval/accuracy": exact_match_accuracy([tokenizer.decode(g, skip_special_tokens=True) for g in greedy], labels)}
+    # the weight-sync check: the engine's greedy output must equal the trainer's on the same prompts
+    k = min(cfg.sync_check_prompts, len(eval_prompts))
+    if k:
+        eos = tokenizer.eos_token_id
+        trainer = roles.policy.call_rank0("generate", eval_prompts[:k], cfg.eval_max_new_tokens, tokenizer.pad_token_id, eos, cfg.eval_batch_size)
+        strip = lambda ids: [t for t in ids if t != eos]  # noqa: E731
+        metrics["eval/sync_greedy_match"] = sum(strip(a) == strip(b) for a, b in zip(greedy[:k], trainer)) / k
     if cfg.pass_k > 1:
         prompts = [p for p in eval_prompts for _ in range(cfg.pass_k)]
         seeds = [10_000_019 + i for i in range(len(prompts))]
@@ -415,6 +437,8 @@ def run(cfg: Config) -> dict:
             times["forward_s"] = time.time() - tic
             tic = time.time()
             kl_coef_loss = kl_ctl.value if cfg.kl_mode == "loss" else 0.0
+            if cfg.engine_sleep:
+                roles.sleep_engines()
             stats = update(roles.policy, cfg, kept, collate, partial(policy_loss, kl_loss_coef=kl_coef_loss), step)
             if ppo:
                 cstats = update(roles.critic, cfg, kept, collate, critic_loss, step)

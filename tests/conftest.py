@@ -54,3 +54,19 @@ def project(tmp_path_factory):
     proc = rlhf("prepare", "--params", "none.yaml", *[a for s in SMALL_TASK for a in ("--set", s)], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
+
+
+SFT = ["--set", "sft.max_steps=8", "--set", "sft.save_steps=3", "--set", "sft.global_batch_size=16",
+       "--set", "sft.log_steps=4", "--set", "sft.eval_max_new_tokens=4"]
+
+
+def run_stage(project, ray_head, stage, *args, env=None):
+    return rlhf("stage", "run", stage, "--params", "none.yaml", *args, cwd=project, env={"RAY_ADDRESS": ray_head, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def sft_reference(project, ray_head):
+    """An uninterrupted 8-step sft run (the model later stages start from)."""
+    proc = run_stage(project, ray_head, "sft", *SFT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return project / "artifacts" / "sft"

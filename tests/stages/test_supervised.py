@@ -6,18 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import rlhf
+from conftest import SFT, rlhf, run_stage
 from rlhf_core.artifacts.manifest import verify_manifest
 
 pytestmark = pytest.mark.integration
-
-SFT = ["--set", "sft.max_steps=8", "--set", "sft.save_steps=3", "--set", "sft.global_batch_size=16",
-       "--set", "sft.log_steps=4", "--set", "sft.eval_max_new_tokens=4"]
-
-
-def run_stage(project, ray_head, stage, *args, env=None):
-    return rlhf("stage", "run", stage, "--params", "none.yaml", *args, cwd=project, env={"RAY_ADDRESS": ray_head, **(env or {})})
-
 
 def weights(path: Path) -> dict:
     return load_file(str(path / "model" / "model.safetensors"))
@@ -25,14 +17,6 @@ def weights(path: Path) -> dict:
 
 def history(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "train_history.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def sft_reference(project, ray_head):
-    """An uninterrupted 8-step sft run (the model later stages start from)."""
-    proc = run_stage(project, ray_head, "sft", *SFT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return project / "artifacts" / "sft"
 
 
 def test_sft_outputs(sft_reference):

@@ -1,0 +1,78 @@
+"""`rlhf serve-reward`: a reward model behind HTTP (stdlib server, 127.0.0.1 by default).
+
+POST /score  {"prompts": [...], "responses": [...], "labels": [...], "token_ids": [[...], ...]}
+          -> {"rewards": [...]}
+GET  /health -> {"status": "ok", "model": PATH}
+
+With `token_ids` the model scores exactly those ids (token in, token out); without them it
+tokenizes prompt + response.  Binding anywhere but loopback is the user's explicit choice: the
+server has no authentication, so put it behind an authenticating proxy before exposing it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger("rlhf.reward_server")
+
+
+def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_batch: int = 512) -> ThreadingHTTPServer:
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rollout.rewards import ModelReward
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = ModelReward(model_path, pad)
+    lock = threading.Lock()  # one forward at a time: torch threads are already parallel
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 (http.server naming)
+            if self.path == "/health":
+                self._send(200, {"status": "ok", "model": model_path})
+            else:
+                self._send(404, {"error": f"unknown path {self.path}; use POST /score or GET /health"})
+
+        def do_POST(self):  # noqa: N802
+            if self.path != "/score":
+                return self._send(404, {"error": f"unknown path {self.path}; use POST /score"})
+            try:
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                prompts, responses = req["prompts"], req["responses"]
+                if len(prompts) != len(responses) or len(prompts) > max_batch:
+                    raise ValueError(f"need equal-length prompts/responses, at most {max_batch}")
+                ids = req.get("token_ids") or [tokenizer(p).input_ids + tokenizer(r, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+                                               for p, r in zip(prompts, responses)]
+            except (ValueError, KeyError, TypeError) as e:
+                return self._send(400, {"error": f"bad request: {e}"})
+            with lock:
+                values, _, _ = model([{"token_ids": x} for x in ids])
+            self._send(200, {"rewards": values})
+
+        def log_message(self, fmt, *args):
+            log.debug(fmt, *args)
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def serve(model_path: str, host: str, port: int) -> None:
+    server = make_server(model_path, host, port)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("reward server bound to %s: it has no authentication; do not expose it beyond a trusted network", host)
+    log.info("serving %s at http://%s:%d/score (Ctrl-C to stop)", model_path, host, server.server_address[1])
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

@@ -1,0 +1,177 @@
+"""RL step maths, collation alignment, reward validation and the episode runner (real engine)."""
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from rlhf_core.rollout import rewards as R
+from rlhf_core.rollout.agents import RetryArithmetic, SingleTurn, Step, run_episodes
+from rlhf_core.training import rl_step
+
+pytestmark = pytest.mark.unit
+
+
+def sample(prompt_len, response, mask, group, score, **kw):
+    n = len(response)
+    return {"token_ids": list(range(1, prompt_len + 1)) + response, "prompt_len": prompt_len, "action_mask": mask, "group": group,
+            "score": score, "old_logprobs": kw.get("old", [-1.0] * n), "ref_logprobs": kw.get("ref", [-1.0] * n),
+            "engine_logprobs": [-1.0] * n, "old_values": kw.get("values", [0.0] * n)}
+
+
+def test_collate_aligns_response_lists_with_next_token_logits():
+    s = sample(3, [7, 8], [1, 1], 0, 1.0, old=[-0.5, -0.25])
+    s2 = sample(2, [9, 9, 9], [1, 0, 1], 0, 0.0, old=[-1.0, 0.0, -2.0])
+    b = rl_step.RLCollate(pad_id=0, keys=("action_mask", "old_logprobs"))([s, s2])
+    assert b["input_ids"].tolist() == [[1, 2, 3, 7, 8], [1, 2, 9, 9, 9]]
+    # token at absolute position p is predicted by logits row p - 1
+    assert b["action_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 1]]
+    assert b["old_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, -1.0, 0.0, -2.0]]
+    assert rl_step._slices(b["old_logprobs"], b) == [[-0.5, -0.25], [-1.0, 0.0, -2.0]]
+
+
+def test_grpo_advantages_broadcast_group_normalised_score():
+    samples = [sample(2, [5, 6], [1, 1], 0, s) for s in (1.0, 0.0, 0.0, 1.0)] + [sample(2, [5], [1], 1, 0.5)]
+    stats = rl_step.compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
+                                       whiten_gae=False, reward_clip=None)
+    assert samples[0]["advantages"] == pytest.approx([0.86603, 0.86603], abs=1e-4)
+    assert samples[1]["advantages"] == pytest.approx([-0.86603, -0.86603], abs=1e-4)
+    assert samples[4]["advantages"] == [0.0]  # a group of one has no baseline
+    assert stats["kl"] == 0.0
+
+
+def test_kl_in_reward_and_masked_env_tokens():
+    s = sample(2, [5, 6, 7], [1, 0, 1], 0, 1.0, old=[-1.0, 0.0, -1.0], ref=[-2.0, 0.0, -2.0])
+    rl_step.compute_advantages([s], "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0, lam=1.0,
+                               whiten_gae=False, reward_clip=None)
+    # k1 = 1 on each action token; rewards [-0.5, 0 (env), 1 - 0.5]; returns [0, _, 0.5]; env token stays 0
+    assert s["returns"] == pytest.approx([0.0, 0.0, 0.5])
+    assert s["kl"] == pytest.approx([1.0, 0.0, 1.0])
+
+
+def test_reward_validation_never_turns_bad_values_into_zero():
+    values, _, why = R._validate("f", [1.0, float("nan"), None, "x"], 4)
+    assert values[0] == 1.0 and all(math.isnan(v) for v in values[1:])
+    assert why[0] is None and all(w and "f returned" in w for w in why[1:])
+    with pytest.raises(R.RewardError, match="returned 1 rewards for 2 samples"):
+        R._validate("f", [1.0], 2)
+    with pytest.raises(R.RewardError, match="without 'rewards'"):
+        R._validate("f", {"scores": [1]}, 1)
+    v, comps, _ = R._validate("f", {"rewards": [1, 2], "components": {"fmt": [0.5, 0.5]}}, 2)
+    assert v == [1.0, 2.0] and comps == {"fmt": [0.5, 0.5]}
+
+
+def test_reward_file_loading_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        R.FunctionReward(str(tmp_path / "missing.py"))
+    f = tmp_path / "r.py"
+    f.write_text("def score(*a): return []\n")
+    with pytest.raises(AttributeError, match="must define `def reward"):
+        R.FunctionReward(str(f))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    calls = 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).calls += 1
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.server.mode == "500":
+            self.send_response(500)
+            self.end_headers()
+            return
+        data = json.dumps({"rewards": [float(len(r)) for r in body["responses"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.mode = "ok"
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+
+
+def test_http_reward_ok_500_and_down(server):
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    samples = [{"prompt": "p", "response": "abc", "label": "x", "token_ids": [1, 2]}]
+    assert R.HttpReward(url)(samples)[0] == [3.0]
+    server.mode, _Handler.calls = "500", 0
+    with pytest.raises(R.RewardError, match=f"reward server {url} failed after 3 attempt"):
+        R.HttpReward(url, retries=2, backoff=0.01)(samples)
+    assert _Handler.calls == 3  # bounded: 1 + 2 retries
+    dead = "http://127.0.0.1:9/score"
+    with pytest.raises(R.RewardError, match="reward server http://127.0.0.1:9/score failed"):
+        R.HttpReward(dead, timeout=1, retries=1, backoff=0.01)(samples)
+
+
+# --- the episode runner with a real engine (HF generate on the tiny base model) ----------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from rlhf_core.models.tiny import TinyModelConfig, build_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer(["Q: 12+30= A: 42 wrong, try again."] * 10, vocab_size=300)
+    tok.save_pretrained(out)
+    build_model(TinyModelConfig(), tok, seed=0).save_pretrained(out)
+    return out, AutoTokenizer.from_pretrained(out)
+
+
+def test_multi_turn_episode_masks_environment_tokens(tiny):
+    from rlhf_core.rollout.engines import HFEngine
+
+    path, tok = tiny
+    engine = HFEngine(str(path), max_model_len=64, seed=0)
+    eps = run_episodes(engine, tok, RetryArithmetic, ["Q: 12+30= A:"] * 2, ["42"] * 2, [1, 2], max_new_tokens=3, temperature=1.0, max_len=64)
+    fb = tok(" wrong, try again. A:", add_special_tokens=False).input_ids
+    for ep in eps:
+        assert ep.turns >= 1 and len(ep.action_mask) == len(ep.token_ids) - ep.prompt_len == len(ep.engine_logprobs)
+        if ep.turns > 1 and ep.env_reward == 0.0 or ep.turns == 3:
+            # the first feedback block sits right after the first action and is masked out
+            first = ep.action_mask.index(0)
+            assert ep.token_ids[ep.prompt_len + first: ep.prompt_len + first + len(fb)] == fb
+            assert ep.action_mask[first: first + len(fb)] == [0] * len(fb)
+    # same seeds -> same episodes (a rollout is a function of weights, prompts and seeds)
+    again = run_episodes(engine, tok, RetryArithmetic, ["Q: 12+30= A:"] * 2, ["42"] * 2, [1, 2], max_new_tokens=3, temperature=1.0, max_len=64)
+    assert [e.token_ids for e in eps] == [e.token_ids for e in again]
+
+
+def test_hung_environment_times_out(tiny):
+    from rlhf_core.rollout.engines import HFEngine
+
+    class Hung(SingleTurn):
+        def step(self, action):
+            threading.Event().wait(5)
+            return Step()
+
+    path, tok = tiny
+    with pytest.raises(TimeoutError, match="took longer than 0.5s"):
+        run_episodes(HFEngine(str(path), max_model_len=64, seed=0), tok, Hung, ["Q: 1+1= A:"], ["2"], [0], 2, 1.0, 64, env_timeout=0.5)
+
+
+def test_hf_engine_weight_update_is_in_place_and_checked(tiny):
+    from rlhf_core.rollout.engines import HFEngine
+
+    path, _ = tiny
+    engine = HFEngine(str(path), max_model_len=64, seed=0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    new = dict(engine.model.state_dict())
+    new[name] = torch.full_like(new[name], 0.5)
+    param = dict(engine.model.named_parameters())[name]
+    engine.update_weights(list(new.items()))
+    assert dict(engine.model.named_parameters())[name] is param and torch.all(param == 0.5)  # same tensor, new values
+    with pytest.raises(RuntimeError, match="weight sync mismatch"):
+        engine.update_weights([("nope", torch.zeros(1))])
