@@ -244,8 +244,12 @@ def rollout(roles: Roles, cfg: Config, rows: list[dict], step_prompts: list[int]
 
 
 def score(roles: Roles, cfg: Config, samples: list[dict]) -> int:
-    """Rewards + penalties into each sample; returns the number of invalid samples."""
-    scored = roles.get(roles.reward.score.remote(samples), "reward")
+    return apply_rewards(cfg, samples, roles.get(roles.reward.score.remote(samples), "reward"))
+
+
+def apply_rewards(cfg: Config, samples: list[dict], scored: list[dict]) -> int:
+    """Rewards + penalties into each sample; returns the number of invalid samples (marked
+    `filter = invalid`, never scored 0).  Raises above `max_invalid_ratio`."""
     invalid = 0
     for s, r in zip(samples, scored):
         s["reward"], s["components"], s["invalid"] = r["score"], r["components"], r["invalid"]

@@ -60,7 +60,7 @@ class RetryArithmetic:
             return Step(reward=1.0, done=True)
         if self.turn >= self.max_turns:
             return Step(reward=0.0, done=True)
-        return Step(feedback=" wrong, try again. A:", done=False)
+        return Step(reward=0.0, feedback=" wrong, try again. A:", done=False)  # 0 so far (an episode cut short keeps it)
 
 
 BUILTIN = {"single_turn": SingleTurn, "retry_arithmetic": RetryArithmetic}

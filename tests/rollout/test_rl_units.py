@@ -175,3 +175,40 @@ def test_hf_engine_weight_update_is_in_place_and_checked(tiny):
     assert dict(engine.model.named_parameters())[name] is param and torch.all(param == 0.5)  # same tensor, new values
     with pytest.raises(RuntimeError, match="weight sync mismatch"):
         engine.update_weights([("nope", torch.zeros(1))])
+
+
+def _episodes(n):
+    return [{"prompt": "Q: 1+1= A:", "response": " 2", "label": "2", "token_ids": [1, 2, 3], "action_mask": [1], "turns": 1,
+             "env_reward": None, "filter": "kept"} for _ in range(n)]
+
+
+def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
+    """A raising reward marks every sample invalid (with the reason) and the step aborts above the
+    threshold; a wrong count is an error; nothing becomes 0.0."""
+    from rlhf_core.rollout.workers import RewardWorker
+    from stages.rl import Config, apply_rewards
+
+    def worker(body):
+        f = tmp_path / f"r{abs(hash(body))}.py"
+        f.write_text(body)
+        return RewardWorker(str(f), None, None, {}, 0, 1.0, 0)
+
+    cfg = Config(max_invalid_ratio=0.25)
+    samples = _episodes(4)
+    scored = worker("def reward(p, r, l, **kw):\n    raise KeyError('oops')\n").score(samples)
+    assert all(math.isnan(x["score"]) and "reward_file raised KeyError" in x["invalid"] for x in scored)
+    with pytest.raises(RuntimeError, match="4 of 4 samples have an invalid reward, above max_invalid_ratio=0.25"):
+        apply_rewards(cfg, samples, scored)
+    assert all(s["filter"] == "invalid" for s in samples)
+
+    samples = _episodes(4)
+    scored = worker("def reward(p, r, l, **kw):\n    return [None, 1, 1, 1]\n").score(samples)
+    assert apply_rewards(cfg, samples, scored) == 1  # 1 of 4 = the threshold: counted, not fatal
+    assert samples[0]["filter"] == "invalid" and samples[1]["score"] == 1.0
+
+    with pytest.raises(R.RewardError, match="returned 1 rewards for 4 samples"):
+        worker("def reward(p, r, l, **kw):\n    return [1.0]\n").score(_episodes(4))
+    with pytest.raises(R.RewardError, match="no reward source"):
+        RewardWorker(None, None, None, {}, 0, 1.0, 0).score(_episodes(1))
+    # the built-in default scores exact matches against the label
+    assert [x["score"] for x in RewardWorker(None, None, None, {}, 0, 1.0, 0, builtin=True).score(_episodes(2))] == [1.0, 1.0]
