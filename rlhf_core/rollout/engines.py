@@ -42,7 +42,11 @@ class VLLMEngine:
 
         self.sleep_enabled = enable_sleep_mode
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                       enforce_eager=True, seed=seed, enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code)
+                       enforce_eager=True, seed=seed, enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code,
+                       # no chunked prefill: a prompt split over two steps makes vLLM rewind the
+                       # request's seeded generator, which CPU generators cannot do
+                       # ("CPU Generator does not use offset"); seeded sampling is what exact resume needs
+                       enable_chunked_prefill=False, max_num_batched_tokens=max(16384, max_model_len))
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int]) -> list[Completion]:
         from vllm import SamplingParams, TokensPrompt
