@@ -2,6 +2,8 @@
 
   rlhf prepare [--set k=v ...]            task data in data/ + tiny base model in artifacts/base/
   rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head)
+  rlhf pipeline run [--stages ...]        the Prefect flow over the DVC DAG (unchanged stages skipped)
+  rlhf serve [--port 4200]                local Prefect server + deployments (full, nightly cron)
   rlhf rollouts show PATH                 summary of RL rollout Parquet
   rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1 (for rl.reward_url)
   rlhf lineage show PATH                  the artifact's ancestry back to raw data, code and config
@@ -76,6 +78,28 @@ def cmd_lineage_verify(args) -> int:
     return 1 if problems else 0
 
 
+def cmd_pipeline_run(args) -> int:
+    """The Prefect flow, run in this process (ephemeral Prefect API unless PREFECT_API_URL is set)."""
+    from flows.pipeline import alignment_pipeline
+
+    stages = [s for s in (args.stages or "").split(",") if s] or None
+    try:
+        result = alignment_pipeline(stages=stages, overrides=args.set, repo=args.repo, promote=not args.no_promote,
+                                    promotion_margin=args.margin, push=not args.no_push)
+    except Exception as e:  # the flow run is already marked Failed in Prefect; say why here
+        print(f"rlhf: pipeline failed: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from flows.serve import serve
+
+    serve(args.repo, args.port, args.cron)
+    return 0
+
+
 def cmd_rollouts_show(args) -> int:
     from rlhf_core.artifacts.rollouts import summarize
 
@@ -130,6 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = lineage.add_parser("verify", help="re-hash the artifact and every ancestor; exit 1 naming any mismatch")
     p.add_argument("path")
     p.set_defaults(func=cmd_lineage_verify)
+
+    pipeline = sub.add_parser("pipeline", help="the Prefect flow over the DVC pipeline").add_subparsers(dest="pipeline_command", required=True)
+    p = pipeline.add_parser("run", help="run alignment-pipeline now: each stage via `dvc repro -s` (unchanged ones skipped), then the promotion gate")
+    p.add_argument("--stages", help="comma-separated subset, e.g. rl (default: prepare,sft,rm,dpo,rl)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="param override, written into params.yaml")
+    p.add_argument("--repo", default=".", help="project directory (default: .)")
+    p.add_argument("--margin", type=float, default=0.0, help="promotion: accept if eval/accuracy >= champion - margin")
+    p.add_argument("--no-promote", action="store_true", help="skip the promotion gate")
+    p.add_argument("--no-push", action="store_true", help="do not push outputs to the DVC remote")
+    p.set_defaults(func=cmd_pipeline_run)
+
+    p = sub.add_parser("serve", help="local Prefect server (127.0.0.1, SQLite) + deployments alignment-pipeline/full and /nightly")
+    p.add_argument("--repo", default=".")
+    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--cron", default="0 2 * * *", help="nightly schedule (default 02:00)")
+    p.set_defaults(func=cmd_serve)
 
     rollouts = sub.add_parser("rollouts", help="inspect RL rollouts").add_subparsers(dest="rollouts_command", required=True)
     p = rollouts.add_parser("show", help="per-step reward/length/KL summary and a few samples of rollout Parquet")

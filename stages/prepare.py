@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_core.artifacts.manifest import input_record, write_manifest
+from rlhf_core.artifacts.manifest import current_run_ids, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict
 from rlhf_core.data.io import load_rows, write_jsonl
 from rlhf_core.data.task import TaskConfig, generate_task
@@ -102,10 +102,10 @@ def run(cfg: Config) -> dict:
     counts = {name: len(rows) for name, rows in splits.items()}
     log.info("data: %s", ", ".join(f"{k}={v}" for k, v in counts.items()))
     write_manifest(cfg.data_dir, stage="prepare-data", config=config_to_dict(cfg.task), config_sha256=config_hash(cfg.task),
-                   inputs=[], metrics={f"rows/{k}": v for k, v in counts.items()}, seed=cfg.seed)
+                   inputs=[], metrics={f"rows/{k}": v for k, v in counts.items()}, seed=cfg.seed, run_ids=current_run_ids())
     metrics = build_base(cfg, splits)
     write_manifest(cfg.output_dir, stage="prepare", config=config_to_dict(cfg), config_sha256=config_hash(cfg),
-                   inputs=[input_record(cfg.data_dir)], metrics=metrics, seed=cfg.seed)
+                   inputs=[input_record(cfg.data_dir)], metrics=metrics, seed=cfg.seed, run_ids=current_run_ids())
     log.info("base model: %s params, vocab %s -> %s (%.1fs)", f"{metrics['params']:,}", metrics["vocab_size"], cfg.output_dir, time.time() - t0)
     return metrics
 

@@ -25,8 +25,34 @@ def load(path: str | Path) -> dict:
     return json.loads((artifact_root(path) / MANIFEST).read_text())
 
 
+def dvc_lock_check(root: Path) -> list[str]:
+    """Cross-check with DVC: if a `dvc.lock` above `root` records `root/manifest.json` as a stage
+    output, its md5 must match the file (an artifact rebuilt or edited outside `dvc repro` fails)."""
+    import hashlib
+
+    import yaml
+
+    root = root.resolve()
+    for repo in root.parents:
+        lock = repo / "dvc.lock"
+        if lock.is_file():
+            break
+    else:
+        return []
+    rel = str((root / MANIFEST).relative_to(repo))
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    for name, stage in stages.items():
+        for out in stage.get("outs", []):
+            if out.get("path") == rel and "md5" in out:
+                actual = hashlib.md5((root / MANIFEST).read_bytes()).hexdigest()
+                if actual != out["md5"]:
+                    return [f"{root / MANIFEST}: differs from what dvc.lock recorded for stage {name} (md5 {actual[:12]} != {out['md5'][:12]})"]
+    return []
+
+
 def verify_chain(path: str | Path, _seen: set | None = None) -> list[str]:
-    """Every problem in `path`'s artifact and all of its ancestors (empty list = intact)."""
+    """Every problem in `path`'s artifact and all of its ancestors (empty list = intact), with
+    each artifact's manifest cross-checked against `dvc.lock` where DVC produced it."""
     seen = _seen if _seen is not None else set()
     root = artifact_root(path)
     if root.resolve() in seen:
@@ -35,6 +61,7 @@ def verify_chain(path: str | Path, _seen: set | None = None) -> list[str]:
     problems = verify_manifest(root)
     if problems:
         return problems  # an unreadable manifest has no inputs to follow
+    problems += dvc_lock_check(root)
     for record in load(root)["inputs"]:
         src = Path(record["path"])
         if record["kind"] == "artifact":

@@ -95,6 +95,17 @@ def input_record(path: str | Path) -> dict:
     return {"path": path.as_posix(), "kind": "data", "files": hash_tree(path)}
 
 
+# run ids recorded in manifests: the Ray job that ran a stage and the Prefect flow/task runs that
+# launched it (the flow passes them down as environment variables)
+RUN_ID_ENV = {"ray_job_id": "RAY_JOB_ID", "prefect_flow_run_id": "RLHF_PREFECT_FLOW_RUN_ID", "prefect_task_run_id": "RLHF_PREFECT_TASK_RUN_ID"}
+
+
+def current_run_ids() -> dict:
+    import os
+
+    return {k: os.environ[v] for k, v in RUN_ID_ENV.items() if os.environ.get(v)}
+
+
 def write_manifest(out_dir: str | Path, *, stage: str, config: dict, config_sha256: str, inputs: list[dict],
                    metrics: dict | None = None, seed: int | None = None, run_ids: dict | None = None) -> dict:
     """Hash everything in `out_dir` and write its manifest atomically (tmp + fsync + rename)."""

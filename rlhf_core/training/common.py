@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_core.artifacts.manifest import hash_tree, input_record, write_manifest
+from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict
 from rlhf_core.data.io import DataError, load_rows
 from rlhf_core.data.tokenize import pad_batch, prompt_ids, prompt_response, tokenize_rows
@@ -96,9 +96,8 @@ def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict, extra_inp
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     records = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p and Path(p).exists()]
     inputs = list({r["path"]: r for r in records}.values())  # train and eval data often share one artifact
-    run_ids = {k: os.environ[v] for k, v in (("ray_job_id", "RAY_JOB_ID"),) if v in os.environ}
     write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,
-                   metrics=metrics, seed=cfg.seed, run_ids=run_ids)
+                   metrics=metrics, seed=cfg.seed, run_ids=current_run_ids())
     log.info("%s done: %s", stage, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(metrics.items())}))
 
 

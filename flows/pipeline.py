@@ -1,0 +1,167 @@
+"""The `alignment-pipeline` Prefect flow: one task per stage, each run through DVC.
+
+Prefect only (never imports torch).  DVC decides what runs: a task calls `dvc repro -s STAGE`,
+which skips a stage whose code, data, params and upstream outputs are unchanged (the task then
+completes as "skipped"), and reruns a failed or interrupted stage, which resumes from its own
+checkpoints.  The Prefect run ids reach the stage's manifest through the environment.
+
+After the last stage, the promotion gate (`flows/promotion.py`) compares the candidate's
+`eval/accuracy` with the current champion's.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run, task_run
+from prefect.states import Completed
+
+from flows import promotion
+
+STAGES = ["prepare", "sft", "rm", "dpo", "rl"]
+DEFAULT_STAGES = list(STAGES)
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+def _dvc(args: list[str], repo: Path, env: dict | None = None, stream: bool = False) -> subprocess.CompletedProcess:
+    cmd = ["dvc", *args]
+    if not stream:
+        return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    logger = get_run_logger()
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    tail: list[str] = []
+    for line in proc.stdout:
+        line = line.rstrip()
+        tail = (tail + [line])[-60:]
+        if line and "it/s]" not in line and "step/s]" not in line:  # progress bars stay in the stage logs
+            logger.info(line)
+    proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, "\n".join(tail), "")
+
+
+def stage_changed(stage: str, repo: Path) -> bool:
+    """True if `dvc repro -s STAGE` would run it (changed deps/params/outs, or never run)."""
+    proc = _dvc(["status", "--json", stage], repo)
+    if proc.returncode:
+        raise StageFailed(f"dvc status {stage} failed: {proc.stderr.strip()[-2000:]}")
+    return bool(json.loads(proc.stdout or "{}"))
+
+
+def _summary(stage: str, repo: Path, status: str) -> str:
+    out = repo / "artifacts" / ("base" if stage == "prepare" else stage)
+    metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+    rows = "\n".join(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |" for k, v in sorted(metrics.items()))
+    manifest = out / "manifest.json"
+    return (f"# stage `{stage}`: {status}\n\nmanifest: [`{manifest}`](file://{manifest.resolve()})\n\n"
+            f"| metric | value |\n|---|---|\n{rows or '| (none) | |'}\n")
+
+
+@task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
+def run_stage(stage: str, repo: str, push: bool = True):
+    """One stage through DVC; skipped when unchanged; pushes its outputs to the DVC remote."""
+    logger = get_run_logger()
+    root = Path(repo)
+    if not stage_changed(stage, root):
+        logger.info("%s: unchanged, skipped", stage)
+        create_markdown_artifact(key=f"{stage}-summary", markdown=_summary(stage, root, "skipped (unchanged)"), description=f"{stage} (skipped)")
+        return Completed(message=f"{stage}: unchanged, skipped", data={"stage": stage, "ran": False})
+    env = {"RLHF_PREFECT_FLOW_RUN_ID": str(flow_run.id or ""), "RLHF_PREFECT_TASK_RUN_ID": str(task_run.id or "")}
+    proc = _dvc(["repro", "-s", stage], root, env, stream=True)
+    if proc.returncode:
+        raise StageFailed(f"stage {stage} failed (dvc repro -s {stage} exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    if push and has_remote(root):
+        pushed = _dvc(["push", stage], root)
+        if pushed.returncode:
+            raise StageFailed(f"dvc push {stage} failed: {pushed.stderr.strip()[-2000:]}")
+    create_markdown_artifact(key=f"{stage}-summary", markdown=_summary(stage, root, "ran"), description=f"{stage} (ran)")
+    return {"stage": stage, "ran": True}
+
+
+def has_remote(repo: Path) -> bool:
+    return bool(_dvc(["remote", "list"], repo).stdout.strip())
+
+
+def ensure_remote(repo: Path) -> None:
+    """A local directory remote by default (`.dvc/remote`, machine-local config)."""
+    if not has_remote(repo):
+        _dvc(["remote", "add", "--local", "-d", "local", "remote"], repo)  # relative to .dvc/
+
+
+def apply_overrides(repo: Path, overrides: list[str]) -> None:
+    """`SECTION.KEY=VALUE` overrides written into params.yaml (comments kept), so DVC sees them
+    (`dvc params diff`) and reruns exactly the stages that read them."""
+    if not overrides:
+        return
+    from ruamel.yaml import YAML
+
+    yaml = YAML()
+    path = repo / "params.yaml"
+    data = yaml.load(path.read_text()) if path.exists() else {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"override {item!r} must look like SECTION.KEY=VALUE")
+        node, *parts = key.split(".")
+        cur = data.setdefault(node, {})
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[parts[-1]] = yaml.load(value) if value else value
+    with open(path, "w") as f:
+        yaml.dump(data, f)
+
+
+@contextlib.contextmanager
+def repo_lock(repo: Path):
+    """One pipeline writer per repository: a second run is refused with a clear message."""
+    path = repo / ".dvc" / "tmp" / "pipeline.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise RuntimeError(f"another pipeline run holds {path} ({f.read().strip() or 'unknown'}); "
+                               "runs on one repository are serialised: wait for it or stop it") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} flow run {flow_run.id}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@flow(name="alignment-pipeline", log_prints=True)
+def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | None = None, repo: str = ".",
+                       promote: bool = True, promotion_margin: float = 0.0, push: bool = True) -> dict:
+    """Run the DVC pipeline stage by stage.  `stages`: which to run (default all, in DAG order);
+    `overrides`: `SECTION.KEY=VALUE` params; `repo`: the project directory (the data location is
+    its `data/`, a DVC-tracked output of `prepare`)."""
+    root = Path(repo).resolve()
+    chosen = [s for s in STAGES if s in (stages or DEFAULT_STAGES)]
+    unknown = set(stages or []) - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stages {sorted(unknown)}; valid: {STAGES}")
+    with repo_lock(root):
+        apply_overrides(root, overrides or [])
+        if push:
+            ensure_remote(root)
+        run = lambda stage: run_stage(stage, str(root), push) if stage in chosen else None  # noqa: E731
+        # one line per stage, in DAG order; each starts after the one before finished
+        results = {"prepare": run("prepare")}
+        results["sft"] = run("sft")
+        results["rm"] = run("rm")
+        results["dpo"] = run("dpo")
+        results["rl"] = run("rl")
+        decision = promotion.gate(root, chosen[-1], promotion_margin, str(flow_run.id or "")) if promote and chosen else None
+    return {"stages": results, "promotion": decision}
