@@ -20,7 +20,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run, task_run
-from prefect.states import Completed
+from prefect.states import Completed, State
 
 from flows import promotion
 
@@ -93,7 +93,7 @@ def has_remote(repo: Path) -> bool:
 def ensure_remote(repo: Path) -> None:
     """A local directory remote by default (`.dvc/remote`, machine-local config)."""
     if not has_remote(repo):
-        _dvc(["remote", "add", "--local", "-d", "local", "remote"], repo)  # relative to .dvc/
+        _dvc(["remote", "add", "--local", "-d", "local", ".dvc/remote"], repo)  # run from the repo root
 
 
 def apply_overrides(repo: Path, overrides: list[str]) -> None:
@@ -117,6 +117,11 @@ def apply_overrides(repo: Path, overrides: list[str]) -> None:
         cur[parts[-1]] = yaml.load(value) if value else value
     with open(path, "w") as f:
         yaml.dump(data, f)
+
+
+def _value(result):
+    """A task that returned a State (skipped stages complete with a message) hands back that state."""
+    return result.result() if isinstance(result, State) else result
 
 
 @contextlib.contextmanager
@@ -156,7 +161,7 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
         apply_overrides(root, overrides or [])
         if push:
             ensure_remote(root)
-        run = lambda stage: run_stage(stage, str(root), push) if stage in chosen else None  # noqa: E731
+        run = lambda stage: _value(run_stage(stage, str(root), push)) if stage in chosen else None  # noqa: E731
         # one line per stage, in DAG order; each starts after the one before finished
         results = {"prepare": run("prepare")}
         results["sft"] = run("sft")

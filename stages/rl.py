@@ -401,11 +401,12 @@ def run(cfg: Config) -> dict:
             p.unlink(missing_ok=True)
         shutil.rmtree(rollout_dir, ignore_errors=True)
         shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
+        shutil.rmtree(out_dir / "best_model", ignore_errors=True)  # a previous experiment's
         state = {"step": 0, "consumed": 0, "invalid": 0, "data_fingerprint": fingerprint, "resume_key": key, "run_id": f"rl-{int(time.time())}",
-                 "init_metrics": {}, "best": {}}
+                 "init_metrics": {}}
         init = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
         state["init_metrics"] = {k + "_init": v for k, v in init.items()}
-        state["best"] = {"step": 0, **init}
+        _track_best(roles, tokenizer, state, init, out_dir)  # the starting model is the first "best"
         log.info("before training: %s", init)
 
     pad = tokenizer.pad_token_id
@@ -507,14 +508,20 @@ def _take(n: int, cfg: Config, consumed: int) -> list[int]:
 
 def _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir: Path) -> dict:
     """Evaluate, log, and keep the best model so far in `best_model/` (by eval/accuracy)."""
-    import os
-    import shutil
-
     metrics = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
     for k, v in metrics.items():
         writer.add_scalar(k, v, state["step"])
     log.info("eval at step %d: %s", state["step"], metrics)
-    if metrics["eval/accuracy"] > state["best"].get("eval/accuracy", -1.0):
+    _track_best(roles, tokenizer, state, metrics, out_dir)
+    return metrics
+
+
+def _track_best(roles, tokenizer, state: dict, metrics: dict, out_dir: Path) -> None:
+    """Keep the best model so far (by eval/accuracy) in best_model/, written atomically."""
+    import os
+    import shutil
+
+    if metrics["eval/accuracy"] > state.get("best", {}).get("eval/accuracy", -1.0):
         state["best"] = {"step": state["step"], **metrics}
         tmp, final = out_dir / ".tmp-best", out_dir / "best_model"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -523,7 +530,6 @@ def _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, write
         (tmp / "best.json").write_text(json.dumps(state["best"], indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-    return metrics
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,7 +97,7 @@ def input_record(path: str | Path) -> dict:
 
 # run ids recorded in manifests: the Ray job that ran a stage and the Prefect flow/task runs that
 # launched it (the flow passes them down as environment variables)
-RUN_ID_ENV = {"ray_job_id": "RAY_JOB_ID", "prefect_flow_run_id": "RLHF_PREFECT_FLOW_RUN_ID", "prefect_task_run_id": "RLHF_PREFECT_TASK_RUN_ID"}
+RUN_ID_ENV = {"ray_job_id": "RLHF_RAY_JOB_ID", "prefect_flow_run_id": "RLHF_PREFECT_FLOW_RUN_ID", "prefect_task_run_id": "RLHF_PREFECT_TASK_RUN_ID"}
 
 
 def current_run_ids() -> dict:

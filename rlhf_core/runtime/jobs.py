@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger("rlhf.jobs")
@@ -36,8 +37,12 @@ def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[
     client = JobSubmissionClient(address)
     cwd = Path.cwd().resolve()
     entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m stages.{stage} --config {shlex.quote(str(config_path.resolve()))}"
-    env = {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
-    job_id = _submit_with_retry(client, entrypoint=entrypoint, runtime_env={"env_vars": env}, metadata={"stage": stage})
+    # our own submission id, passed into the job too (Ray strips RAY_JOB_ID from a job's env):
+    # the stage records it in its manifest
+    submission_id = f"rlhf-{stage}-{uuid.uuid4().hex[:12]}"
+    env = {"PYTHONUNBUFFERED": "1", **(env_vars or {}), "RLHF_RAY_JOB_ID": submission_id}
+    job_id = _submit_with_retry(client, entrypoint=entrypoint, runtime_env={"env_vars": env}, metadata={"stage": stage},
+                                submission_id=submission_id)
     log.info("submitted %s as Ray job %s", stage, job_id)
     printed = 0
     try:
