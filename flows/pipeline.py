@@ -37,15 +37,35 @@ def _dvc(args: list[str], repo: Path, env: dict | None = None, stream: bool = Fa
     if not stream:
         return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, env={**os.environ, **(env or {})})
     logger = get_run_logger()
-    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    # own process group: if this flow run is cancelled or crashes, the whole stage (dvc ->
+    # rlhf stage run -> its Ray job) is told to stop instead of running on as an orphan
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+                            start_new_session=True)
     tail: list[str] = []
-    for line in proc.stdout:
-        line = line.rstrip()
-        tail = (tail + [line])[-60:]
-        if line and "it/s]" not in line and "step/s]" not in line:  # progress bars stay in the stage logs
-            logger.info(line)
-    proc.wait()
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail = (tail + [line])[-60:]
+            if line and "it/s]" not in line and "step/s]" not in line:  # progress bars stay in the stage logs
+                logger.info(line)
+        proc.wait()
+    except BaseException:
+        _stop_group(proc)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, "\n".join(tail), "")
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGTERM the stage's process group (`rlhf stage run` stops its Ray job on it), then SIGKILL."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def stage_changed(stage: str, repo: Path) -> bool:
@@ -148,10 +168,11 @@ def repo_lock(repo: Path):
 
 @flow(name="alignment-pipeline", log_prints=True)
 def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | None = None, repo: str = ".",
-                       promote: bool = True, promotion_margin: float = 0.0, push: bool = True) -> dict:
+                       promote: bool = True, promotion_margin: float = 0.0, push: bool = True, retries: int = 1) -> dict:
     """Run the DVC pipeline stage by stage.  `stages`: which to run (default all, in DAG order);
     `overrides`: `SECTION.KEY=VALUE` params; `repo`: the project directory (the data location is
-    its `data/`, a DVC-tracked output of `prepare`)."""
+    its `data/`, a DVC-tracked output of `prepare`); `retries`: per stage, for transient failures
+    (a retried stage resumes from its checkpoint)."""
     root = Path(repo).resolve()
     chosen = [s for s in STAGES if s in (stages or DEFAULT_STAGES)]
     unknown = set(stages or []) - set(STAGES)
@@ -161,7 +182,8 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
         apply_overrides(root, overrides or [])
         if push:
             ensure_remote(root)
-        run = lambda stage: _value(run_stage(stage, str(root), push)) if stage in chosen else None  # noqa: E731
+        task = run_stage.with_options(retries=retries)
+        run = lambda stage: _value(task(stage, str(root), push)) if stage in chosen else None  # noqa: E731
         # one line per stage, in DAG order; each starts after the one before finished
         results = {"prepare": run("prepare")}
         results["sft"] = run("sft")

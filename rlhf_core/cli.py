@@ -46,12 +46,22 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def _sigterm_as_interrupt() -> None:
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def cmd_stage_run(args) -> int:
     from rlhf_core.runtime.cluster import job_server
     from rlhf_core.runtime.jobs import JobFailed, forward_env, submit_and_wait, write_resolved_config
 
     cfg = _resolve(args.stage, args)
     path = write_resolved_config(args.stage, config_to_dict(cfg), cfg.output_dir)
+    _sigterm_as_interrupt()  # a terminated command stops its Ray job (and embedded head) like Ctrl-C
     try:
         with job_server() as address:
             submit_and_wait(address, args.stage, path, forward_env())
@@ -83,9 +93,10 @@ def cmd_pipeline_run(args) -> int:
     from flows.pipeline import alignment_pipeline
 
     stages = [s for s in (args.stages or "").split(",") if s] or None
+    _sigterm_as_interrupt()  # the flow run is marked crashed and the running stage is stopped
     try:
         result = alignment_pipeline(stages=stages, overrides=args.set, repo=args.repo, promote=not args.no_promote,
-                                    promotion_margin=args.margin, push=not args.no_push)
+                                    promotion_margin=args.margin, push=not args.no_push, retries=args.retries)
     except Exception as e:  # the flow run is already marked Failed in Prefect; say why here
         print(f"rlhf: pipeline failed: {e}", file=sys.stderr)
         return 1
@@ -163,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--margin", type=float, default=0.0, help="promotion: accept if eval/accuracy >= champion - margin")
     p.add_argument("--no-promote", action="store_true", help="skip the promotion gate")
     p.add_argument("--no-push", action="store_true", help="do not push outputs to the DVC remote")
+    p.add_argument("--retries", type=int, default=1, help="retries per stage for transient failures (default 1)")
     p.set_defaults(func=cmd_pipeline_run)
 
     p = sub.add_parser("serve", help="local Prefect server (127.0.0.1, SQLite) + deployments alignment-pipeline/full and /nightly")

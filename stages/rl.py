@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -175,7 +176,7 @@ class Roles:
                             scheduling_strategy=PlacementGroupSchedulingStrategy(self.policy.pg, placement_group_bundle_index=b))
             return dict(num_cpus=cpus, num_gpus=gpus)
 
-        env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}}
+        env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
         self.reference = ray.remote(ForwardWorker).options(**place(0, 0.25, cfg.rollout_gpus)).remote(model_path, cfg.dtype, cfg.trust_remote_code)
         self.rollout = [
             ray.remote(RolloutWorker).options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus), runtime_env=env).remote(
@@ -419,7 +420,7 @@ def run(cfg: Config) -> dict:
     critic_loss = partial(rl_step.critic_loss_fn, value_clip=cfg.value_clip, agg_mode=cfg.loss_agg_mode, norm_len=cfg.max_new_tokens)
     writer = SummaryWriter(str(out_dir / "tensorboard"))
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rl", unit="step", dynamic_ncols=True, mininterval=2)
-    t0, start_step = time.time(), state["step"]
+    t0, start_step, nan_streak = time.time(), state["step"], 0
     while state["step"] < cfg.max_steps:
         step = state["step"] + 1
         times = {}
@@ -451,8 +452,15 @@ def run(cfg: Config) -> dict:
             times["update_s"] = time.time() - tic
             row.update({f"train/{k}": sum(r[k] for r in stats) / len(stats) for k in stats[0] if k != "skipped"} if stats else {})
             row.update(adv_stats)
-            if any(r.get("skipped") for r in stats):
-                raise FloatingPointError(f"step {step}: non-finite policy loss; check rl.lr and the rewards")
+            if any(r.get("skipped") for r in stats):  # every rank skipped that update: counted, abort after K in a row
+                nan_streak += 1
+                state["nan_skipped"] = state.get("nan_skipped", 0) + 1
+                log.warning("step %d: non-finite policy loss, update skipped (%d in a row)", step, nan_streak)
+                if nan_streak >= cfg.max_nan_steps:
+                    raise FloatingPointError(f"{nan_streak} consecutive RL steps with a non-finite loss (max_nan_steps={cfg.max_nan_steps}); "
+                                             "aborting without checkpointing. Lower rl.lr or check the rewards.")
+            else:
+                nan_streak = 0
         else:
             log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
             adv_stats = {"kl": 0.0}
@@ -489,7 +497,7 @@ def run(cfg: Config) -> dict:
     metrics = _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
     writer.close()
     metrics.update(state["init_metrics"])
-    metrics.update({"train/steps": state["step"], "train/invalid_rewards": state["invalid"], "train/wall_s": round(time.time() - t0, 1),
+    metrics.update({"train/steps": state["step"], "train/invalid_rewards": state["invalid"], "train/nan_skipped": state.get("nan_skipped", 0), "train/wall_s": round(time.time() - t0, 1),
                     "best/step": state["best"]["step"], "best/eval_accuracy": state["best"]["eval/accuracy"]})
     last = json.loads(history_path.read_text().splitlines()[-1])
     metrics["train/reward_mean"] = last["reward_mean"]

@@ -26,6 +26,9 @@ TINY_PARAMS = {
 }
 
 
+SECRET = "sk-test-9f8e7d6c5b4a39281706"
+
+
 def sh(*cmd, cwd, env=None, timeout=900):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
@@ -44,7 +47,8 @@ def repo(tmp_path_factory, ray_head):
         shutil.copy2(REPO / f, root / f)
     (root / "dvc.lock").unlink(missing_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(TINY_PARAMS))
-    env = {"PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ADDRESS": ray_head, "DVC_SITE_CACHE_DIR": str(root / ".dvc" / "tmp" / "site"),
+    # a secret-looking variable in the environment of every run: it must never reach an artifact
+    env = {"PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ADDRESS": ray_head, "RLHF_TEST_API_KEY": SECRET, "HF_TOKEN": SECRET, "DVC_SITE_CACHE_DIR": str(root / ".dvc" / "tmp" / "site"),
            "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         assert sh(*cmd, cwd=root, env=env).returncode == 0
@@ -120,9 +124,53 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
     assert "champion kept" in decisions[-1]["reason"]
 
     # a failing stage fails the run and the command
-    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", "--set", "rl.reward_file=missing_reward.py", cwd=root, env=env)
+    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", "--set", "rl.reward_file=missing_reward.py", "--retries", "0",
+               cwd=root, env=env)
     assert bad.returncode == 1 and "stage rl failed" in bad.stderr
 
     # lineage of the promoted chain verifies against dvc.lock
     ok = rlhf("lineage", "verify", "artifacts/dpo/model", cwd=root, env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+    # no secret from the environment in any artifact, manifest, model card, log or rollout
+    leaked = [p for p in (root / "artifacts").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaked == []
+
+
+def test_second_pipeline_run_on_a_repo_is_refused(tmp_path):
+    """Never two writers: while one run holds the repository lock, another is refused clearly."""
+    import fcntl
+
+    (tmp_path / ".dvc" / "tmp").mkdir(parents=True)
+    with open(tmp_path / ".dvc" / "tmp" / "pipeline.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f.write("pid 1 flow run first\n")
+        f.flush()
+        proc = rlhf("pipeline", "run", "--repo", str(tmp_path), "--no-push", cwd=tmp_path)
+    assert proc.returncode == 1 and "another pipeline run holds" in proc.stderr and "pid 1 flow run first" in proc.stderr
+
+
+def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
+    """SIGTERM to `rlhf pipeline run` mid-stage: the command ends, the stage's Ray job is stopped,
+    no stage process is left; the next run resumes the stage from its last checkpoint."""
+    root, env = repo
+    args = ["pipeline", "run", "--repo", str(root), "--stages", "sft", "--set", "sft.max_steps=40", "--no-promote", "--no-push", "--retries", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", *args], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, **env})
+    ckpts = root / "artifacts" / "sft" / "checkpoints"
+    wait_for(lambda: any(int(p.name.split("_")[1]) > 4 for p in ckpts.glob("step_*")), 300, "a checkpoint of the new run")
+    proc.terminate()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-3000:]
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(env["RAY_ADDRESS"])
+    last = lambda: max((j for j in client.list_jobs() if (j.metadata or {}).get("stage") == "sft"), key=lambda j: j.start_time or 0)  # noqa: E731
+    assert wait_for(lambda: str(last().status.value) == "STOPPED", 60, "the sft Ray job stopped")
+    left = sh("pgrep", "-f", f"stages.sft --config {root}", cwd=root)
+    assert left.stdout.strip() == "", f"orphan stage processes: {left.stdout}"
+    again = rlhf(*args, cwd=root, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == 40
+    history = [json.loads(x)["step"] for x in (root / "artifacts" / "sft" / "train_history.jsonl").read_text().splitlines()]
+    assert history == list(range(1, 41))  # resumed: every step once, none skipped or repeated

@@ -212,3 +212,42 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
         RewardWorker(None, None, None, {}, 0, 1.0, 0).score(_episodes(1))
     # the built-in default scores exact matches against the label
     assert [x["score"] for x in RewardWorker(None, None, None, {}, 0, 1.0, 0, builtin=True).score(_episodes(2))] == [1.0, 1.0]
+
+
+def test_reward_model_served_over_http(tiny):
+    """`rlhf serve-reward`'s server scores token ids with a reward model; HttpReward reads it."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.rollout.reward_server import make_server
+
+    path, tok = tiny
+    rm_dir = path.parent / "rm"
+    AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).save_pretrained(rm_dir)
+    tok.save_pretrained(rm_dir)
+    srv = make_server(str(rm_dir), port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert srv.server_address[0] == "127.0.0.1"  # loopback by default
+        url = f"http://127.0.0.1:{srv.server_address[1]}/score"
+        ids = [[1, 5, 6, 7, 2], [1, 5, 6, 8, 2]]
+        samples = [{"prompt": "p", "response": "r", "label": "l", "token_ids": x} for x in ids]
+        remote, _, why = R.HttpReward(url)(samples)
+        local, _, _ = R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)(samples)
+        assert remote == pytest.approx(local) and why == [None, None] and remote[0] != remote[1]
+    finally:
+        srv.shutdown()
+
+
+def test_user_environment_file(tmp_path):
+    from rlhf_core.rollout.agents import load_environment
+
+    f = tmp_path / "env.py"
+    f.write_text("from rlhf_core.rollout.agents import Step\nclass Environment:\n    def reset(self, prompt, label):\n        return prompt\n"
+                 "    def step(self, action):\n        return Step(reward=1.0)\n")
+    env = load_environment("single_turn", str(f))()
+    assert env.reset("q", "a") == "q" and env.step("x").reward == 1.0
+    f.write_text("class Env: pass\n")
+    with pytest.raises(AttributeError, match="must define `class Environment`"):
+        load_environment("single_turn", str(f))
+    with pytest.raises(ValueError, match="built-ins"):
+        load_environment("chess", None)
