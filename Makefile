@@ -26,13 +26,15 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(BIN)/pip uninstall -q -y $(BROKEN_EXTRAS) 2>/dev/null || true
 	touch $(STAMP)
 
-# the main job: the tiny pipeline, prepare -> sft -> rm, dpo (unchanged stages are skipped)
+# the main job: the tiny pipeline, prepare -> sft -> rm, dpo -> rl (unchanged stages are skipped)
 run: setup
 	$(BIN)/dvc repro
 	$(BIN)/dvc metrics show
 
+# two pytest workers; the heavy files run in two balanced groups (xdist_group marks:
+# supervised+prepare | rl+flows).  Serially the suite took ~14.5 min on 2 cores
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 test-unit: setup
 	$(BIN)/python -m pytest -m unit

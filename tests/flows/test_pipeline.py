@@ -12,7 +12,7 @@ import pytest
 
 from conftest import SMALL_TASK, rlhf
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rl_flows")]  # balanced over `make test`'s two workers
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)

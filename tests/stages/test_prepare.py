@@ -13,6 +13,8 @@ from rlhf_core.artifacts.manifest import verify_manifest
 from conftest import SMALL_TASK
 from conftest import rlhf as _rlhf
 
+pytestmark = pytest.mark.xdist_group("supervised")  # balanced over `make test`'s two workers
+
 
 @pytest.fixture(scope="module")
 def prepared(project):

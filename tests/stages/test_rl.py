@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from conftest import rlhf, run_stage
 from rlhf_core.artifacts.manifest import verify_manifest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("rl_flows")]  # balanced over `make test`'s two workers
 
 # the 8-step sft model of the test project rarely answers right, so the tests reward a shape
 # (the share of digit characters): it varies within every group, so every step really updates

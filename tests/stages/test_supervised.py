@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from conftest import SFT, rlhf, run_stage
 from rlhf_core.artifacts.manifest import verify_manifest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("supervised")]  # balanced over `make test`'s two workers
 
 def weights(path: Path) -> dict:
     return load_file(str(path / "model" / "model.safetensors"))
@@ -67,14 +67,13 @@ def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
 
 def test_one_and_two_workers_same_loss_curve(project, ray_head):
     curves = {}
-    for n, zero in ((1, 0), (2, 0), (2, 2)):
+    for n, zero in ((1, 0), (2, 2)):  # 2 workers under ZeRO-2: data parallelism and sharding at once
         out = f"artifacts/sft_w{n}_z{zero}"
         proc = run_stage(project, ray_head, "sft", "--set", "sft.max_steps=5", "--set", "sft.global_batch_size=16",
                          "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}", "--set", f"sft.output_dir={out}",
                          "--set", "sft.eval_max_new_tokens=2")
         assert proc.returncode == 0, proc.stdout[-3000:]
         curves[n, zero] = [r["loss"] for r in history(project / out)]
-    assert curves[1, 0] == pytest.approx(curves[2, 0], rel=1e-4)
     assert curves[1, 0] == pytest.approx(curves[2, 2], rel=1e-4)
 
 
