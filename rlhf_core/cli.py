@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import logging
 import sys
 
@@ -90,6 +91,9 @@ def cmd_lineage_verify(args) -> int:
 
 def cmd_pipeline_run(args) -> int:
     """The Prefect flow, run in this process (ephemeral Prefect API unless PREFECT_API_URL is set)."""
+    # a loaded 2-core machine can take longer than Prefect's default 20 s to start the
+    # temporary API server; a slow start must not fail the pipeline
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from flows.pipeline import alignment_pipeline
 
     stages = [s for s in (args.stages or "").split(",") if s] or None

@@ -155,13 +155,19 @@ def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
     no stage process is left; the next run resumes the stage from its last checkpoint."""
     root, env = repo
     args = ["pipeline", "run", "--repo", str(root), "--stages", "sft", "--set", "sft.max_steps=40", "--no-promote", "--no-push", "--retries", "0"]
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", *args], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    log = root / "sigterm_run.log"  # a file, not a pipe: a full pipe would stall the run
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", *args], cwd=root, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, **env})
     ckpts = root / "artifacts" / "sft" / "checkpoints"
-    wait_for(lambda: any(int(p.name.split("_")[1]) > 4 for p in ckpts.glob("step_*")), 300, "a checkpoint of the new run")
+    def progressed():
+        if proc.poll() is not None:  # ended before we could interrupt it: show why
+            raise AssertionError(f"pipeline run exited early ({proc.returncode}): {log.read_text()[-3000:]}")
+        return any(int(p.name.split("_")[1]) > 4 for p in ckpts.glob("step_*"))
+
+    wait_for(progressed, 600, "a checkpoint of the new run")
     proc.terminate()
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0, out[-3000:]
+    proc.wait(timeout=120)
+    assert proc.returncode != 0, log.read_text()[-3000:]
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(env["RAY_ADDRESS"])
