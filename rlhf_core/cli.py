@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import logging
+import os
 import sys
 
 from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config
