@@ -26,6 +26,7 @@ from typing import Literal
 from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dynamic_sampling_filter, overlong_penalty
 from rlhf_core.artifacts import rollouts as rollout_io
 from rlhf_core.evaluation import exact_match_accuracy
+from rlhf_core.runtime import faults
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training import common
 from rlhf_core.training import rl_step
@@ -203,6 +204,17 @@ class Roles:
             return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{what} took longer than rollout_timeout={self.timeout}s") from None
+
+    def peak_memory(self) -> dict:
+        """Peak resident memory (MiB) of each role's processes, and of this driver."""
+        import resource
+
+        groups = {"policy": self.policy.workers, "critic": self.critic.workers if self.critic else [], "reference": [self.reference],
+                  "rollout": self.rollout, "reward": [self.reward]}
+        out = {f"mem/peak_mb_{role}": max(self.get([a.peak_rss_mb.remote() for a in actors], "memory report"))
+               for role, actors in groups.items() if actors}
+        out["mem/peak_mb_driver"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return out
 
     def sleep_engines(self) -> None:
         """Colocated layout: let the engines free their memory while the trainers update."""
@@ -490,15 +502,13 @@ def run(cfg: Config) -> dict:
             _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
         if step % cfg.save_steps == 0 or step == cfg.max_steps:
             save_checkpoint(roles, ckpt_dir, step, state, cfg.keep_checkpoints)
-        from rlhf_core.training.loop import _maybe_inject_fault
-
-        _maybe_inject_fault(step)
+        faults.sigkill_after(step)
     bar.close()
     metrics = _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
     writer.close()
     metrics.update(state["init_metrics"])
     metrics.update({"train/steps": state["step"], "train/invalid_rewards": state["invalid"], "train/nan_skipped": state.get("nan_skipped", 0), "train/wall_s": round(time.time() - t0, 1),
-                    "best/step": state["best"]["step"], "best/eval_accuracy": state["best"]["eval/accuracy"]})
+                    "best/step": state["best"]["step"], "best/eval_accuracy": state["best"]["eval/accuracy"], **roles.peak_memory()})
     last = json.loads(history_path.read_text().splitlines()[-1])
     metrics["train/reward_mean"] = last["reward_mean"]
     card = common.model_card("rl", cfg, metrics, f"Policy trained with `{cfg.algo}` on agent rollouts ({cfg.agent_file or cfg.agent}) "

@@ -13,8 +13,10 @@ import time
 
 import torch
 
+from rlhf_core.runtime.worker import PeakMemory
 
-class RolloutWorker:
+
+class RolloutWorker(PeakMemory):
     def __init__(self, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
                  max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: bool = False,
                  trust_remote_code: bool = False, threads: int = 1):
@@ -73,7 +75,7 @@ class RolloutWorker:
         self.engine.wake_up()
 
 
-class RewardWorker:
+class RewardWorker(PeakMemory):
     """Scores finished episodes with every configured source and combines them."""
 
     def __init__(self, reward_file: str | None, reward_model: str | None, reward_url: str | None, weights: dict[str, float],
@@ -118,7 +120,7 @@ class RewardWorker:
                  "invalid": reasons[i]} for i in range(n)]
 
 
-class ForwardWorker:
+class ForwardWorker(PeakMemory):
     """A frozen model used only for forward passes (the reference policy)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", trust_remote_code: bool = False, threads: int = 1):

@@ -82,5 +82,5 @@ def _submit_with_retry(client, timeout: float = 120.0, **kwargs) -> str:
 
 def forward_env() -> dict[str, str]:
     """Environment the job needs from ours (threading, offline flags); never secrets."""
-    keys = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "RLHF_FAULT", "RLHF_PREFECT_FLOW_RUN_ID", "RLHF_PREFECT_TASK_RUN_ID")
+    keys = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "RLHF_FAULT", "RLHF_FAULT_ONCE", "RLHF_PREFECT_FLOW_RUN_ID", "RLHF_PREFECT_TASK_RUN_ID")
     return {k: os.environ[k] for k in keys if k in os.environ}

@@ -6,7 +6,6 @@ model.  Stage-specific maths arrives as a function `loss_fn(model, batch, counts
 """
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -14,11 +13,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf_core.runtime import faults
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.engine import build_engine, init_distributed, load_model
 
 
-class TrainWorker:
+class PeakMemory:
+    """Every actor reports its process's peak resident memory (the burst check and rl metrics)."""
+
+    def peak_rss_mb(self) -> float:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class TrainWorker(PeakMemory):
     def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, model_kind: str, cfg: TrainConfig, pad_token_id: int | None = None):
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
@@ -41,7 +50,7 @@ class TrainWorker:
         rank skips backward and the update (no collective is left half done)."""
         self.engine.train()
         loss, stats = loss_fn(self.engine, self._to_device(batch), counts)
-        if os.environ.get("RLHF_FAULT") == "nan_loss":  # fault injection for the reliability tests
+        if faults.armed("nan_loss") is not None:  # fault injection for the reliability tests
             loss = loss * float("nan")
         finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0], device=loss.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from rlhf_core.runtime import faults
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.config import TrainConfig
 
@@ -103,11 +103,17 @@ class WorkerGroup:
             return self.call(method, *args, timeout=timeout)[0]
         return ray.get(getattr(self.workers[0], method).remote(*args), timeout=timeout)
 
-    def train_step(self, examples: list[dict], collate, loss_fn, counts: dict) -> list[dict]:
+    def train_step(self, examples: list[dict], collate, loss_fn, counts: dict, step: int = 0) -> list[dict]:
         import ray
 
         n = len(self.workers)
-        return ray.get([w.train_step.remote(collate(examples[r::n]), loss_fn, counts) for r, w in enumerate(self.workers)])
+        refs = [w.train_step.remote(collate(examples[r::n]), loss_fn, counts) for r, w in enumerate(self.workers)]
+        faults.kill_worker_during(step, self.workers[0])
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:  # OOM kill, node loss, a crashed DeepSpeed rank
+            raise RuntimeError(f"a training worker died during step {step}: the stage stops; its checkpoints are complete ones "
+                               f"and a rerun resumes from the newest ({type(e).__name__}: {str(e).splitlines()[0]})") from e
 
 
 # settings that may change between a run and its resume; anything else makes it a new run
@@ -120,14 +126,6 @@ def resume_key(cfg: TrainConfig) -> str:
     from rlhf_core.config import config_hash
 
     return config_hash(replace(cfg, **RESUMABLE_CHANGES))
-
-
-def _maybe_inject_fault(step: int) -> None:
-    """Fault injection for the reliability tests: RLHF_FAULT=sigkill_after_step:K."""
-    fault = os.environ.get("RLHF_FAULT", "")
-    if fault.startswith("sigkill_after_step:") and step == int(fault.split(":")[1]):
-        log.warning("RLHF_FAULT: SIGKILL after step %d", step)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def save_checkpoint(group: WorkerGroup, ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
@@ -202,7 +200,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     while state["step"] < cfg.max_steps:
         idx = take(n, cfg.seed, state["consumed"], cfg.global_batch_size)
         batch = [spec.examples[i] for i in idx]
-        results = group.train_step(batch, spec.collate, spec.loss_fn, spec.counts(batch))
+        results = group.train_step(batch, spec.collate, spec.loss_fn, spec.counts(batch), step=state["step"] + 1)
         state["step"] += 1
         state["consumed"] += len(batch)
         step = state["step"]
@@ -234,7 +232,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
                 writer.add_scalar(k, v, step)
         if step % cfg.save_steps == 0 or step == cfg.max_steps:
             save_checkpoint(group, ckpt_dir, step, state, cfg.keep_checkpoints)
-        _maybe_inject_fault(step)
+        faults.sigkill_after(step)
     bar.close()
     metrics = spec.evaluate(group)
     for k, v in metrics.items():

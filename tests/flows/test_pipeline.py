@@ -150,13 +150,19 @@ def test_second_pipeline_run_on_a_repo_is_refused(tmp_path):
     assert proc.returncode == 1 and "another pipeline run holds" in proc.stderr and "pid 1 flow run first" in proc.stderr
 
 
+def ensure_sft(root: Path, env: dict) -> int:
+    """The repo's sft steps so far; builds sft first when this test runs before the served one (xdist)."""
+    if not (root / "artifacts" / "sft" / "model").exists():
+        first = rlhf("pipeline", "run", "--repo", str(root), "--stages", "prepare,sft", "--no-promote", "--no-push", cwd=root, env=env)
+        assert first.returncode == 0, first.stderr[-3000:]
+    return json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"]
+
+
 def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
     """SIGTERM to `rlhf pipeline run` mid-stage: the command ends, the stage's Ray job is stopped,
     no stage process is left; the next run resumes the stage from its last checkpoint."""
     root, env = repo
-    if not (root / "artifacts" / "sft" / "model").exists():  # self-sufficient: xdist may run it before the served test
-        first = rlhf("pipeline", "run", "--repo", str(root), "--stages", "prepare,sft", "--no-promote", "--no-push", cwd=root, env=env)
-        assert first.returncode == 0, first.stderr[-3000:]
+    ensure_sft(root, env)
     args = ["pipeline", "run", "--repo", str(root), "--stages", "sft", "--set", "sft.max_steps=40", "--no-promote", "--no-push", "--retries", "0"]
     log = root / "sigterm_run.log"  # a file, not a pipe: a full pipe would stall the run
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", *args], cwd=root, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -183,3 +189,57 @@ def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
     assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == 40
     history = [json.loads(x)["step"] for x in (root / "artifacts" / "sft" / "train_history.jsonl").read_text().splitlines()]
     assert history == list(range(1, 41))  # resumed: every step once, none skipped or repeated
+
+
+def test_worker_killed_mid_step_then_the_prefect_retry_resumes(repo):
+    """A training worker actor dies during a step (`ray.kill`, as an OOM kill would): the Ray job
+    fails with a clear error, only complete checkpoints exist, and the Prefect task's retry resumes
+    the stage to completion, every step exactly once."""
+    root, env = repo
+    done = ensure_sft(root, env)  # an even number of steps: sft saves every 2 steps here
+    once = root / "fault.once"
+    fault = {"RLHF_FAULT": f"kill_worker_at_step:{done + 3}", "RLHF_FAULT_ONCE": str(once)}
+    proc = rlhf("pipeline", "run", "--repo", str(root), "--stages", "sft", "--set", f"sft.max_steps={done + 4}", "--no-promote", "--no-push",
+                "--retries", "1", cwd=root, env={**env, **fault})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert once.exists() and f"a training worker died during step {done + 3}" in text, text[-4000:]
+    assert f"resumed from step_{done + 2:06d}" in text, text[-4000:]
+    history = [json.loads(x)["step"] for x in (root / "artifacts" / "sft" / "train_history.jsonl").read_text().splitlines()]
+    assert history == list(range(1, done + 5))
+
+
+def test_prefect_server_restarted_mid_run_then_the_run_completes(repo):
+    """The Prefect server dies mid-stage and comes back on the same port and database: the
+    flow's client retries its API calls (Prefect's bounded backoff, ~60 s in all), the stage
+    (a Ray job, not a Prefect process) keeps running, and the run ends Completed in the server."""
+    root, env = repo
+    from flows.serve import LocalPrefectServer
+    from rlhf_core.runtime.cluster import free_port
+
+    done = ensure_sft(root, env)
+    server = LocalPrefectServer(root / ".prefect_restart", port=free_port()).start(timeout=180)
+    api = {"PREFECT_API_URL": server.url}
+    log = root / "restart_run.log"
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "pipeline", "run", "--repo", str(root), "--stages", "sft",
+                             "--set", f"sft.max_steps={done + 30}", "--no-promote", "--no-push", "--retries", "0"],
+                            cwd=root, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **env, **api})
+    try:
+        ckpts = root / "artifacts" / "sft" / "checkpoints"
+        def progressed():
+            if proc.poll() is not None:
+                raise AssertionError(f"pipeline run exited early ({proc.returncode}): {log.read_text()[-3000:]}")
+            return any(int(p.name.split("_")[1]) > done for p in ckpts.glob("step_*"))
+
+        wait_for(progressed, 600, "a checkpoint of the new run")
+        server.stop()  # the server goes away mid-stage ...
+        time.sleep(3)
+        server.start(timeout=180)  # ... and comes back on the same port, with the same database
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        runs = sh(sys.executable, "-m", "prefect", "flow-run", "ls", cwd=root, env={**env, **api})
+        server.stop()
+    assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == done + 30
+    assert "COMPLETED" in runs.stdout and "RUNNING" not in runs.stdout, runs.stdout

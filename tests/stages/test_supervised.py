@@ -130,6 +130,31 @@ def test_dpo_stage(project, ray_head, sft_reference):
     assert verify_manifest(out) == []
 
 
+def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, ray_head, sft_reference):
+    """dpo on 32 pairs, 16 per step: an epoch is 2 steps.  Killed after step 3, it resumes from
+    step 2 (exactly one epoch consumed) and crosses two more epoch boundaries; weights and the
+    per-step losses equal the uninterrupted run's, so no sample was skipped or replayed."""
+    small = project / "data" / "prefs_32.jsonl"
+    small.write_text("".join((project / "data" / "prefs.jsonl").read_text().splitlines(keepends=True)[:32]))
+    base = ["--set", f"dpo.train_data={small}", "--set", "dpo.max_steps=5", "--set", "dpo.save_steps=2",
+            "--set", "dpo.global_batch_size=16", "--set", "dpo.eval_max_new_tokens=2"]
+    runs = {}
+    for name, fault in (("dpo_uninterrupted", None), ("dpo_killed", "sigkill_after_step:3")):
+        args = [*base, "--set", f"dpo.output_dir=artifacts/{name}"]
+        proc = run_stage(project, ray_head, "dpo", *args, env={"RLHF_FAULT": fault} if fault else None)
+        runs[name] = args
+        assert (proc.returncode != 0) == bool(fault), proc.stdout[-3000:]
+    killed = project / "artifacts" / "dpo_killed"
+    assert (killed / "checkpoints" / "latest").read_text() == "step_000002"
+    resumed = run_stage(project, ray_head, "dpo", *runs["dpo_killed"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from step_000002 (step 2, 32 samples consumed)" in resumed.stdout + resumed.stderr
+    a, b = weights(project / "artifacts" / "dpo_uninterrupted"), weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in history(killed)] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in history(killed)] == [r["loss"] for r in history(project / "artifacts" / "dpo_uninterrupted")]
+
+
 def test_lineage_show_and_verify_chain(project, ray_head, sft_reference):
     """dpo <- sft <- base <- data: the tree prints, verifies, and a flipped byte anywhere fails it."""
     if not (project / "artifacts" / "dpo" / "manifest.json").exists():
