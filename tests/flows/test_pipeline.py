@@ -239,7 +239,7 @@ def test_prefect_server_restarted_mid_run_then_the_run_completes(repo):
     finally:
         if proc.poll() is None:
             proc.kill()
-        runs = sh(sys.executable, "-m", "prefect", "flow-run", "ls", cwd=root, env={**env, **api})
+        runs = sh(sys.executable, "-m", "prefect", "flow-run", "ls", cwd=root, env={**env, **api, "COLUMNS": "300"})  # a wide table: the state column shows
         server.stop()
     assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == done + 30
     assert "COMPLETED" in runs.stdout and "RUNNING" not in runs.stdout, runs.stdout
