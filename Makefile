@@ -31,10 +31,10 @@ run: setup
 	$(BIN)/dvc repro
 	$(BIN)/dvc metrics show
 
-# two pytest workers; the heavy files run in two balanced groups (xdist_group marks:
-# supervised+prepare | rl+flows).  Serially the suite took ~14.5 min on 2 cores
+# three pytest workers: the suite waits on process start-ups as much as it computes (the 2-core
+# machine ran ~55% busy with two); xdist_group marks keep tests that share a fixture together
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 3 --dist loadgroup
 
 test-unit: setup
 	$(BIN)/python -m pytest -m unit

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import SMALL_TASK, rlhf
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rl_flows")]  # balanced over `make test`'s two workers
+pytestmark = pytest.mark.e2e
+# xdist groups: tests sharing fixtures run on one worker; the groups balance `make test`'s workers
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
@@ -65,6 +66,7 @@ def wait_for(fn, timeout=120, what="condition"):
     raise TimeoutError(what)
 
 
+@pytest.mark.xdist_group("flows_served")
 def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
     root, env = repo
     from rlhf_core.runtime.cluster import free_port
@@ -137,6 +139,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
     assert leaked == []
 
 
+@pytest.mark.xdist_group("flows_served")
 def test_second_pipeline_run_on_a_repo_is_refused(tmp_path):
     """Never two writers: while one run holds the repository lock, another is refused clearly."""
     import fcntl
@@ -158,6 +161,7 @@ def ensure_sft(root: Path, env: dict) -> int:
     return json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"]
 
 
+@pytest.mark.xdist_group("flows_faults")
 def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
     """SIGTERM to `rlhf pipeline run` mid-stage: the command ends, the stage's Ray job is stopped,
     no stage process is left; the next run resumes the stage from its last checkpoint."""
@@ -191,6 +195,7 @@ def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
     assert history == list(range(1, 41))  # resumed: every step once, none skipped or repeated
 
 
+@pytest.mark.xdist_group("flows_faults")
 def test_worker_killed_mid_step_then_the_prefect_retry_resumes(repo):
     """A training worker actor dies during a step (`ray.kill`, as an OOM kill would): the Ray job
     fails with a clear error, only complete checkpoints exist, and the Prefect task's retry resumes
@@ -209,6 +214,7 @@ def test_worker_killed_mid_step_then_the_prefect_retry_resumes(repo):
     assert history == list(range(1, done + 5))
 
 
+@pytest.mark.xdist_group("flows_faults")
 def test_prefect_server_restarted_mid_run_then_the_run_completes(repo):
     """The Prefect server dies mid-stage and comes back on the same port and database: the
     flow's client retries its API calls (Prefect's bounded backoff, ~60 s in all), the stage
@@ -222,7 +228,7 @@ def test_prefect_server_restarted_mid_run_then_the_run_completes(repo):
     api = {"PREFECT_API_URL": server.url}
     log = root / "restart_run.log"
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "pipeline", "run", "--repo", str(root), "--stages", "sft",
-                             "--set", f"sft.max_steps={done + 30}", "--no-promote", "--no-push", "--retries", "0"],
+                             "--set", f"sft.max_steps={done + 16}", "--no-promote", "--no-push", "--retries", "0"],
                             cwd=root, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **env, **api})
     try:
         ckpts = root / "artifacts" / "sft" / "checkpoints"
@@ -241,5 +247,5 @@ def test_prefect_server_restarted_mid_run_then_the_run_completes(repo):
             proc.kill()
         runs = sh(sys.executable, "-m", "prefect", "flow-run", "ls", cwd=root, env={**env, **api, "COLUMNS": "300"})  # a wide table: the state column shows
         server.stop()
-    assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == done + 30
+    assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == done + 16
     assert "COMPLETED" in runs.stdout and "RUNNING" not in runs.stdout, runs.stdout

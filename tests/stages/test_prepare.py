@@ -13,7 +13,7 @@ from rlhf_core.artifacts.manifest import verify_manifest
 from conftest import SMALL_TASK
 from conftest import rlhf as _rlhf
 
-pytestmark = pytest.mark.xdist_group("supervised")  # balanced over `make test`'s two workers
+pytestmark = pytest.mark.xdist_group("prepare")  # one project fixture for the file
 
 
 @pytest.fixture(scope="module")

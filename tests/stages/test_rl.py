@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from conftest import rlhf, run_stage
 from rlhf_core.artifacts.manifest import verify_manifest
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("rl_flows")]  # balanced over `make test`'s two workers
+pytestmark = pytest.mark.integration
+# xdist groups: tests sharing fixtures run on one worker; the groups balance `make test`'s workers
 
 # the 8-step sft model of the test project rarely answers right, so the tests reward a shape
 # (the share of digit characters): it varies within every group, so every step really updates
@@ -41,6 +42,7 @@ def grpo_reference(project, ray_head, sft_reference):
     return project / "artifacts" / "rl_ref", args
 
 
+@pytest.mark.xdist_group("rl_ref")
 def test_grpo_outputs_rollouts_and_show(project, grpo_reference):
     out, _ = grpo_reference
     metrics = json.loads((out / "metrics.json").read_text())
@@ -68,6 +70,7 @@ def test_grpo_outputs_rollouts_and_show(project, grpo_reference):
     assert shown.returncode == 0 and "reward" in shown.stdout and len(shown.stdout.splitlines()) >= 6, shown.stderr
 
 
+@pytest.mark.xdist_group("rl_ref")
 def test_rl_sigkill_then_resume_is_bit_identical(project, ray_head, grpo_reference):
     ref, args = grpo_reference
     out = project / "artifacts" / "rl_killed"
@@ -83,6 +86,7 @@ def test_rl_sigkill_then_resume_is_bit_identical(project, ray_head, grpo_referen
         assert [r["response_token_ids"] for r in table(ref, step)] == [r["response_token_ids"] for r in table(out, step)]
 
 
+@pytest.mark.xdist_group("rl_more")
 def test_ppo_multi_turn_agent_on_vllm(project, ray_head, sft_reference):
     """PPO (critic + GAE) with the multi-turn retry environment on the vLLM engine."""
     out = project / "artifacts" / "rl_ppo"
@@ -104,6 +108,7 @@ def test_ppo_multi_turn_agent_on_vllm(project, ray_head, sft_reference):
         assert all(a == 0.0 for a in masked)
 
 
+@pytest.mark.xdist_group("rl_more")
 def test_reward_failures_are_counted_or_fatal_never_zero(project, ray_head, sft_reference):
     flaky = reward_file(project, "flaky_reward.py", "import math\ndef reward(prompts, responses, labels, **kw):\n"
                         "    return [math.nan if i % 8 == 0 else 1.0 * (i % 2) for i in range(len(responses))]\n")
@@ -121,6 +126,7 @@ def test_reward_failures_are_counted_or_fatal_never_zero(project, ray_head, sft_
 
 
 
+@pytest.mark.xdist_group("rl_more")
 def test_rl_config_errors(project):
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.n_samples=1", cwd=project)
     assert proc.returncode == 2 and "needs n_samples >= 2" in proc.stderr
@@ -128,6 +134,7 @@ def test_rl_config_errors(project):
     assert proc.returncode == 2 and "reinforce_pp_baseline" in proc.stderr
 
 
+@pytest.mark.xdist_group("rl_ref")
 def test_burst_of_10x_the_default_batch_keeps_memory_bounded(project, ray_head, grpo_reference):
     """160 prompts x 8 samples in one step (10x the default batch, 80x the reference run's):
     the rollout and reward path finishes, and the actors' peak memory stays at the small run's."""

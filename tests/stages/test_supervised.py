@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from conftest import SFT, rlhf, run_stage
 from rlhf_core.artifacts.manifest import verify_manifest
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("supervised")]  # balanced over `make test`'s two workers
+pytestmark = pytest.mark.integration
+# xdist groups: tests sharing fixtures run on one worker; the groups balance `make test`'s workers
 
 def weights(path: Path) -> dict:
     return load_file(str(path / "model" / "model.safetensors"))
@@ -19,6 +20,7 @@ def history(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "train_history.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.xdist_group("sft_later")
 def test_sft_outputs(sft_reference):
     out = sft_reference
     for rel in ("model/model.safetensors", "model/tokenizer.json", "model/README.md", "metrics.json", "manifest.json",
@@ -36,6 +38,7 @@ def test_sft_outputs(sft_reference):
     assert "Supervised fine-tuning" in (out / "model" / "README.md").read_text()
 
 
+@pytest.mark.xdist_group("sft_faults")
 def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
     out = "artifacts/sft_killed"
     args = [*SFT, "--set", f"sft.output_dir={out}"]
@@ -65,6 +68,7 @@ def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
     assert "sha256 mismatch" in text and "resumed from step_000006" in text
 
 
+@pytest.mark.xdist_group("sft_faults")
 def test_one_and_two_workers_same_loss_curve(project, ray_head):
     curves = {}
     for n, zero in ((1, 0), (2, 2)):  # 2 workers under ZeRO-2: data parallelism and sharding at once
@@ -77,6 +81,7 @@ def test_one_and_two_workers_same_loss_curve(project, ray_head):
     assert curves[1, 0] == pytest.approx(curves[2, 2], rel=1e-4)
 
 
+@pytest.mark.xdist_group("sft_faults")
 def test_nan_loss_is_skipped_then_aborts_without_checkpoint(project, ray_head):
     out = "artifacts/sft_nan"
     proc = run_stage(project, ray_head, "sft", *SFT, "--set", f"sft.output_dir={out}", "--set", "sft.max_nan_steps=2",
@@ -87,6 +92,7 @@ def test_nan_loss_is_skipped_then_aborts_without_checkpoint(project, ray_head):
     assert not list((project / out / "checkpoints").glob("step_*"))
 
 
+@pytest.mark.xdist_group("sft_faults")
 def test_bad_inputs_have_clear_errors(project, ray_head, tmp_path):
     proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/nope", "--set", "sft.output_dir=artifacts/sft_bad")
     assert proc.returncode != 0 and "model_path 'artifacts/nope' does not exist" in proc.stdout + proc.stderr
@@ -100,6 +106,7 @@ def test_bad_inputs_have_clear_errors(project, ray_head, tmp_path):
     assert proc.returncode == 2 and "sft.lr," in proc.stderr
 
 
+@pytest.mark.xdist_group("sft_later")
 def test_rm_stage(project, ray_head, sft_reference):
     proc = run_stage(project, ray_head, "rm", "--set", "rm.max_steps=6", "--set", "rm.save_steps=3", "--set", "rm.global_batch_size=16")
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -115,6 +122,7 @@ def test_rm_stage(project, ray_head, sft_reference):
     assert verify_manifest(out) == []
 
 
+@pytest.mark.xdist_group("sft_later")
 def test_dpo_stage(project, ray_head, sft_reference):
     proc = run_stage(project, ray_head, "dpo", "--set", "dpo.max_steps=4", "--set", "dpo.save_steps=2", "--set", "dpo.global_batch_size=16",
                      "--set", "dpo.eval_max_new_tokens=4")
@@ -130,21 +138,24 @@ def test_dpo_stage(project, ray_head, sft_reference):
     assert verify_manifest(out) == []
 
 
+@pytest.mark.xdist_group("sft_later")
 def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, ray_head, sft_reference):
     """dpo on 32 pairs, 16 per step: an epoch is 2 steps.  Killed after step 3, it resumes from
     step 2 (exactly one epoch consumed) and crosses two more epoch boundaries; weights and the
     per-step losses equal the uninterrupted run's, so no sample was skipped or replayed."""
-    small = project / "data" / "prefs_32.jsonl"
+    small = project / "prefs_32.jsonl"  # not under data/: that directory's manifest lists exactly prepare's files
     small.write_text("".join((project / "data" / "prefs.jsonl").read_text().splitlines(keepends=True)[:32]))
     base = ["--set", f"dpo.train_data={small}", "--set", "dpo.max_steps=5", "--set", "dpo.save_steps=2",
             "--set", "dpo.global_batch_size=16", "--set", "dpo.eval_max_new_tokens=2"]
-    runs = {}
+    runs, outputs = {}, {}
     for name, fault in (("dpo_uninterrupted", None), ("dpo_killed", "sigkill_after_step:3")):
         args = [*base, "--set", f"dpo.output_dir=artifacts/{name}"]
         proc = run_stage(project, ray_head, "dpo", *args, env={"RLHF_FAULT": fault} if fault else None)
         runs[name] = args
         assert (proc.returncode != 0) == bool(fault), proc.stdout[-3000:]
+        outputs[name] = proc.stdout[-3000:] + proc.stderr[-2000:]
     killed = project / "artifacts" / "dpo_killed"
+    assert (killed / "checkpoints" / "latest").exists(), outputs["dpo_killed"]
     assert (killed / "checkpoints" / "latest").read_text() == "step_000002"
     resumed = run_stage(project, ray_head, "dpo", *runs["dpo_killed"])
     assert resumed.returncode == 0, resumed.stdout[-3000:]
@@ -155,6 +166,7 @@ def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, 
     assert [r["loss"] for r in history(killed)] == [r["loss"] for r in history(project / "artifacts" / "dpo_uninterrupted")]
 
 
+@pytest.mark.xdist_group("sft_later")
 def test_lineage_show_and_verify_chain(project, ray_head, sft_reference):
     """dpo <- sft <- base <- data: the tree prints, verifies, and a flipped byte anywhere fails it."""
     if not (project / "artifacts" / "dpo" / "manifest.json").exists():
