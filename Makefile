@@ -31,10 +31,10 @@ run: setup
 	$(BIN)/dvc repro
 	$(BIN)/dvc metrics show
 
-# three pytest workers: the suite waits on process start-ups as much as it computes (the 2-core
-# machine ran ~55% busy with two); xdist_group marks keep tests that share a fixture together
+# two pytest workers (three overloaded the 2 cores: slower, and Ray heads lost nodes);
+# xdist_group marks keep tests that share a fixture on one worker
 test: setup
-	$(BIN)/python -m pytest -n 3 --dist loadgroup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 test-unit: setup
 	$(BIN)/python -m pytest -m unit

@@ -27,11 +27,10 @@ from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dyn
 from rlhf_core.artifacts import rollouts as rollout_io
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.runtime import faults
-from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training import common
 from rlhf_core.training import rl_step
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import StageSpec, WorkerGroup, resume_key, resume_point, save_final_model
+from rlhf_core.training.loop import StageSpec, WorkerGroup, resume_key, resume_point, save_checkpoint, save_final_model, take, trim_history
 
 log = logging.getLogger("rlhf.rl")
 GROUP_ALGOS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
@@ -363,17 +362,6 @@ def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_p
 # --- driver ---------------------------------------------------------------------------------
 
 
-def save_checkpoint(roles: Roles, ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
-    if not all(roles.policy.call("params_finite")):
-        raise FloatingPointError(f"non-finite policy weights at step {step}: refusing to checkpoint them")
-    tmp = ckpt.begin(ckpt_dir, step)
-    roles.policy.call("save_checkpoint", str(tmp / "policy"))
-    if roles.critic:
-        roles.critic.call("save_checkpoint", str(tmp / "critic"))
-    ckpt.commit(ckpt_dir, tmp, step, state, keep)
-    log.info("checkpoint %s", ckpt.step_name(step))
-
-
 def run(cfg: Config) -> dict:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
@@ -401,8 +389,7 @@ def run(cfg: Config) -> dict:
             roles.critic.call("load_checkpoint", str(path / "critic"))
         kl_ctl.load_state_dict(state["kl_controller"])
         roles.sync_weights(state["step"])
-        rows_kept = [line for line in history_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]] if history_path.exists() else []
-        history_path.write_text("".join(line + "\n" for line in rows_kept))
+        trim_history(history_path, state["step"])
         for f in rollout_dir.glob("step_*.parquet"):  # rollouts of steps the killed run never checkpointed
             if int(f.stem.split("_")[1]) > state["step"]:
                 f.unlink()
@@ -437,7 +424,7 @@ def run(cfg: Config) -> dict:
         step = state["step"] + 1
         times = {}
         tic = time.time()
-        idx = _take(len(rows), cfg, state["consumed"])
+        idx = take(len(rows), cfg.seed, state["consumed"], cfg.prompts_per_step)
         samples = rollout(roles, cfg, rows, idx, state["consumed"])
         times["rollout_s"] = time.time() - tic
         tic = time.time()
@@ -501,7 +488,8 @@ def run(cfg: Config) -> dict:
         if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
             _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
         if step % cfg.save_steps == 0 or step == cfg.max_steps:
-            save_checkpoint(roles, ckpt_dir, step, state, cfg.keep_checkpoints)
+            save_checkpoint([(roles.policy, "policy")] + ([(roles.critic, "critic")] if roles.critic else []), ckpt_dir, step, state,
+                            cfg.keep_checkpoints)
         faults.sigkill_after(step)
     bar.close()
     metrics = _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
@@ -518,12 +506,6 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
-def _take(n: int, cfg: Config, consumed: int) -> list[int]:
-    from rlhf_core.training.loop import take
-
-    return take(n, cfg.seed, consumed, cfg.prompts_per_step)
-
-
 def _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir: Path) -> dict:
     """Evaluate, log, and keep the best model so far in `best_model/` (by eval/accuracy)."""
     metrics = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
@@ -536,18 +518,10 @@ def _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, write
 
 def _track_best(roles, tokenizer, state: dict, metrics: dict, out_dir: Path) -> None:
     """Keep the best model so far (by eval/accuracy) in best_model/, written atomically."""
-    import os
-    import shutil
-
     if metrics["eval/accuracy"] > state.get("best", {}).get("eval/accuracy", -1.0):
         state["best"] = {"step": state["step"], **metrics}
-        tmp, final = out_dir / ".tmp-best", out_dir / "best_model"
-        shutil.rmtree(tmp, ignore_errors=True)
-        roles.policy.call("save_model", str(tmp))
-        tokenizer.save_pretrained(tmp)
-        (tmp / "best.json").write_text(json.dumps(state["best"], indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        card = f"Best rl policy so far: step {state['step']}, eval/accuracy {metrics['eval/accuracy']:.3f} (see best.json).\n"
+        save_final_model(roles.policy, out_dir, tokenizer, card, name="best_model", extra={"best.json": json.dumps(state["best"], indent=2)})
 
 
 def main(argv: list[str] | None = None) -> None:

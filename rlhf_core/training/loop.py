@@ -128,13 +128,23 @@ def resume_key(cfg: TrainConfig) -> str:
     return config_hash(replace(cfg, **RESUMABLE_CHANGES))
 
 
-def save_checkpoint(group: WorkerGroup, ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
-    if not all(group.call("params_finite")):
-        raise FloatingPointError(f"non-finite weights at step {step}: refusing to checkpoint them")
+def save_checkpoint(groups: list[tuple[WorkerGroup, str]], ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
+    """One atomic checkpoint holding every (group, subdir) -- rl keeps policy/ and critic/ in it."""
+    for group, sub in groups:
+        if not all(group.call("params_finite")):
+            raise FloatingPointError(f"non-finite weights{' in ' + sub if sub else ''} at step {step}: refusing to checkpoint them")
     tmp = ckpt.begin(ckpt_dir, step)
-    group.call("save_checkpoint", str(tmp))
+    for group, sub in groups:
+        group.call("save_checkpoint", str(tmp / sub) if sub else str(tmp))
     ckpt.commit(ckpt_dir, tmp, step, state, keep)
     log.info("checkpoint %s", ckpt.step_name(step))
+
+
+def trim_history(path: Path, step: int) -> None:
+    """On resume: drop the rows a killed run logged after its last checkpoint."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in rows))
 
 
 def resume_point(ckpt_dir: Path, cfg: TrainConfig, spec: StageSpec, key: str) -> tuple[Path, dict] | None:
@@ -191,9 +201,8 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     if not found:
         history_path.unlink(missing_ok=True)
         shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
-    elif history_path.exists():  # drop rows a killed run logged after its last checkpoint
-        rows = [line for line in history_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-        history_path.write_text("".join(line + "\n" for line in rows))
+    else:
+        trim_history(history_path, state["step"])
     writer = SummaryWriter(str(out_dir / "tensorboard"))
     n, streak, t0, tokens = len(spec.examples), 0, time.time(), 0
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=spec.name, unit="step", dynamic_ncols=True, mininterval=2)
@@ -231,7 +240,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
             for k, v in spec.evaluate(group).items():
                 writer.add_scalar(k, v, step)
         if step % cfg.save_steps == 0 or step == cfg.max_steps:
-            save_checkpoint(group, ckpt_dir, step, state, cfg.keep_checkpoints)
+            save_checkpoint([(group, "")], ckpt_dir, step, state, cfg.keep_checkpoints)
         faults.sigkill_after(step)
     bar.close()
     metrics = spec.evaluate(group)
@@ -246,14 +255,17 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     return group, metrics
 
 
-def save_final_model(group: WorkerGroup, out_dir: Path, tokenizer, card: str) -> Path:
-    """model/ written to a temp dir (HF format + tokenizer + card), then renamed into place."""
+def save_final_model(group: WorkerGroup, out_dir: Path, tokenizer, card: str, name: str = "model", extra: dict[str, str] | None = None) -> Path:
+    """out_dir/name (default model/) written to a temp dir (HF format + tokenizer + card + `extra`
+    files), then renamed into place: a reader never sees half a model."""
     out_dir = out_dir.resolve()
-    final, tmp = out_dir / "model", out_dir / ".tmp-model"
+    final, tmp = out_dir / name, out_dir / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     group.call("save_model", str(tmp))
     tokenizer.save_pretrained(tmp)
     (tmp / "README.md").write_text(card)
+    for fname, text in (extra or {}).items():
+        (tmp / fname).write_text(text)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     return final

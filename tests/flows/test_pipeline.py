@@ -56,6 +56,19 @@ def repo(tmp_path_factory, ray_head):
     return root, env
 
 
+@pytest.fixture(scope="module")
+def flow_env(repo):
+    """`repo` plus one Prefect server for the module's `rlhf pipeline run`s: without it each run
+    starts (and waits for) a temporary server of its own, ~15-30 s apiece on this machine."""
+    from flows.serve import LocalPrefectServer
+    from rlhf_core.runtime.cluster import free_port
+
+    root, env = repo
+    server = LocalPrefectServer(root / ".prefect_tests", port=free_port()).start(timeout=180)
+    yield root, {**env, "PREFECT_API_URL": server.url}
+    server.stop()
+
+
 def wait_for(fn, timeout=120, what="condition"):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -67,8 +80,9 @@ def wait_for(fn, timeout=120, what="condition"):
 
 
 @pytest.mark.xdist_group("flows_served")
-def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
+def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
     root, env = repo
+    flow = flow_env[1]  # for the `rlhf pipeline run`s after the served run
     from rlhf_core.runtime.cluster import free_port
 
     port = free_port()
@@ -99,7 +113,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
         server.wait(timeout=60)
 
     # nothing changed: every stage is skipped; the champion is unchanged
-    again = rlhf("pipeline", "run", "--repo", str(root), cwd=root, env=env)
+    again = rlhf("pipeline", "run", "--repo", str(root), cwd=root, env=flow)
     assert again.returncode == 0, again.stderr[-3000:]
     result = json.loads(again.stdout[again.stdout.index("{"):])
     assert all(v["ran"] is False for v in result["stages"].values() if v), result
@@ -107,7 +121,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
 
     # a changed rl param reruns only rl (its checkpoints resume/restart; upstream untouched)
     sft_lock = (root / "artifacts" / "sft" / "manifest.json").read_text()
-    one = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", "--set", "rl.max_steps=3", "--margin", "1.0", cwd=root, env=env)
+    one = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", "--set", "rl.max_steps=3", "--margin", "1.0", cwd=root, env=flow)
     assert one.returncode == 0, one.stderr[-3000:]
     result = json.loads(one.stdout[one.stdout.index("{"):])
     assert result["stages"]["rl"]["ran"] is True and result["promotion"]["decision"] == "promoted"
@@ -118,7 +132,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
     # the gate refuses a candidate worse than the champion by more than the margin
     pointer = root / "artifacts" / "champion" / "champion.json"
     pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "eval/accuracy": 2.0, "manifest_sha256": "x"}))
-    refused = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", cwd=root, env=env)
+    refused = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", cwd=root, env=flow)
     assert refused.returncode == 0
     assert json.loads(refused.stdout[refused.stdout.index("{"):])["promotion"]["decision"] == "refused"
     decisions = [json.loads(x) for x in (root / "artifacts" / "champion" / "decisions.jsonl").read_text().splitlines()]
@@ -127,7 +141,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo):
 
     # a failing stage fails the run and the command
     bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", "--set", "rl.reward_file=missing_reward.py", "--retries", "0",
-               cwd=root, env=env)
+               cwd=root, env=flow)
     assert bad.returncode == 1 and "stage rl failed" in bad.stderr
 
     # lineage of the promoted chain verifies against dvc.lock
@@ -162,10 +176,10 @@ def ensure_sft(root: Path, env: dict) -> int:
 
 
 @pytest.mark.xdist_group("flows_faults")
-def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
+def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(flow_env):
     """SIGTERM to `rlhf pipeline run` mid-stage: the command ends, the stage's Ray job is stopped,
     no stage process is left; the next run resumes the stage from its last checkpoint."""
-    root, env = repo
+    root, env = flow_env
     ensure_sft(root, env)
     args = ["pipeline", "run", "--repo", str(root), "--stages", "sft", "--set", "sft.max_steps=40", "--no-promote", "--no-push", "--retries", "0"]
     log = root / "sigterm_run.log"  # a file, not a pipe: a full pipe would stall the run
@@ -196,11 +210,11 @@ def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(repo):
 
 
 @pytest.mark.xdist_group("flows_faults")
-def test_worker_killed_mid_step_then_the_prefect_retry_resumes(repo):
+def test_worker_killed_mid_step_then_the_prefect_retry_resumes(flow_env):
     """A training worker actor dies during a step (`ray.kill`, as an OOM kill would): the Ray job
     fails with a clear error, only complete checkpoints exist, and the Prefect task's retry resumes
     the stage to completion, every step exactly once."""
-    root, env = repo
+    root, env = flow_env
     done = ensure_sft(root, env)  # an even number of steps: sft saves every 2 steps here
     once = root / "fault.once"
     fault = {"RLHF_FAULT": f"kill_worker_at_step:{done + 3}", "RLHF_FAULT_ONCE": str(once)}
@@ -215,15 +229,16 @@ def test_worker_killed_mid_step_then_the_prefect_retry_resumes(repo):
 
 
 @pytest.mark.xdist_group("flows_faults")
-def test_prefect_server_restarted_mid_run_then_the_run_completes(repo):
+def test_prefect_server_restarted_mid_run_then_the_run_completes(flow_env):
     """The Prefect server dies mid-stage and comes back on the same port and database: the
     flow's client retries its API calls (Prefect's bounded backoff, ~60 s in all), the stage
     (a Ray job, not a Prefect process) keeps running, and the run ends Completed in the server."""
-    root, env = repo
+    root, env = flow_env
     from flows.serve import LocalPrefectServer
     from rlhf_core.runtime.cluster import free_port
 
     done = ensure_sft(root, env)
+    env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}  # this run talks to the server restarted below
     server = LocalPrefectServer(root / ".prefect_restart", port=free_port()).start(timeout=180)
     api = {"PREFECT_API_URL": server.url}
     log = root / "restart_run.log"

@@ -1,6 +1,5 @@
 """Faults while writing a checkpoint: the previous one and `latest` survive; leftovers are cleaned."""
 import errno
-import os
 import subprocess
 import sys
 import textwrap
