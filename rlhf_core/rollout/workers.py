@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from rlhf_core.runtime import faults
 from rlhf_core.runtime.worker import PeakMemory
 
 
@@ -40,6 +41,7 @@ class RolloutWorker(PeakMemory):
 
         from rlhf_core.rollout.agents import run_episodes
 
+        faults.hang("rollout")
         episodes = run_episodes(self.engine, self.tokenizer, self.env_cls, prompts, labels, seeds, max_new_tokens, temperature,
                                 self.max_len, self.max_turns, self.env_timeout)
         out = []
@@ -64,6 +66,7 @@ class RolloutWorker(PeakMemory):
     def update_weights(self, named_tensors, version: int) -> float:
         """In-place weight sync from the trainer; returns seconds taken."""
         t0 = time.time()
+        faults.hang("sync")
         self.engine.update_weights(named_tensors)
         self.version = version
         return time.time() - t0
@@ -100,6 +103,7 @@ class RewardWorker(PeakMemory):
         reward (multi-turn agents) is the component `env`."""
         from rlhf_core.rollout.rewards import RewardError, combine
 
+        faults.hang("reward")
         n = len(samples)
         results = {}
         for name, source in self.sources.items():

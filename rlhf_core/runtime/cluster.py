@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,6 +41,12 @@ class LocalRayHead:
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.proc: subprocess.Popen | None = None
         self.log_file = tempfile.NamedTemporaryFile(prefix="rlhf-ray-head-", suffix=".log", delete=False)
+        # A temp dir of its own, not the shared /tmp/ray: Ray's job supervisor hands each job driver
+        # the address in {temp_dir}/ray_current_cluster, which names the head started *last* on the
+        # host.  With a shared dir, a job submitted here ran its driver on another head (a second
+        # pipeline, a parallel test) and died when that one stopped ("Owner's node has crashed").
+        # Short and under /tmp: Ray's Unix socket paths live inside and are limited to 107 bytes.
+        self.temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp")
 
     @property
     def job_address(self) -> str:
@@ -50,7 +57,7 @@ class LocalRayHead:
             _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
             f"--port={self.gcs_port}", "--node-ip-address=127.0.0.1",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-            f"--num-cpus={self.num_cpus}",
+            f"--num-cpus={self.num_cpus}", f"--temp-dir={self.temp_dir}",
         ]
         # every listening port explicit and free: defaults (e.g. the agent's 52365) collide with
         # a head that is still shutting down, or a second pipeline on the same host
@@ -97,6 +104,7 @@ class LocalRayHead:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self.proc = None
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # session logs, sockets, spilled objects
         log.info("stopped local Ray head")
 
     def __enter__(self) -> "LocalRayHead":

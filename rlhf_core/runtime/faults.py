@@ -4,6 +4,8 @@ RLHF_FAULT holds one fault:
   sigkill_after_step:K   the stage driver SIGKILLs itself right after step K (and its checkpoint, if due)
   kill_worker_at_step:K  the driver kills training worker 0 (`ray.kill`) while step K runs
   nan_loss               every training step's loss becomes NaN (inside the workers)
+  hang:POINT             the actor call at POINT never returns: `reward` (RewardWorker.score),
+                         `rollout` (RolloutWorker.rollout) or `sync` (RolloutWorker.update_weights)
 RLHF_FAULT_ONCE=PATH makes the fault fire at most once: firing creates PATH, and a fault whose PATH
 exists stays quiet, so a retried stage runs clean (the Prefect-retry test relies on this).
 """
@@ -54,3 +56,14 @@ def kill_worker_during(step: int, worker) -> None:
         import ray
 
         ray.kill(worker, no_restart=True)
+
+
+def hang(point: str) -> None:
+    """`hang:POINT`: block this actor call for good, as a wedged engine or reward service would;
+    the driver's `rl.rollout_timeout` must turn it into an error (the actor dies with the job)."""
+    if armed("hang") == point:
+        import time
+
+        log.warning("RLHF_FAULT: hang at %s", point)
+        while True:
+            time.sleep(60)

@@ -127,6 +127,20 @@ def test_reward_failures_are_counted_or_fatal_never_zero(project, ray_head, sft_
 
 
 @pytest.mark.xdist_group("rl_more")
+def test_hung_reward_call_times_out_instead_of_hanging(project, ray_head, sft_reference):
+    """RLHF_FAULT=hang:reward wedges the reward actor's call for good: rl.rollout_timeout turns it
+    into an error naming the call, the job fails (the actors die with it) and writes no checkpoint.
+    Rollout, weight sync and engine calls go through the same bounded `Roles.get`."""
+    out = project / "artifacts" / "rl_hang"
+    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1",
+                     "--set", "rl.sync_check_prompts=0", "--set", "rl.rollout_timeout=30", "--set", f"rl.output_dir={out}",
+                     env={"RLHF_FAULT": "hang:reward"})
+    assert proc.returncode != 0
+    assert "reward took longer than rollout_timeout=30.0s" in proc.stdout, proc.stdout[-4000:]
+    assert not (out / "model").exists() and not (out / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.xdist_group("rl_more")
 def test_rl_config_errors(project):
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.n_samples=1", cwd=project)
     assert proc.returncode == 2 and "needs n_samples >= 2" in proc.stderr
