@@ -151,15 +151,19 @@ def test_rl_config_errors(project):
 @pytest.mark.xdist_group("rl_ref")
 def test_burst_of_10x_the_default_batch_keeps_memory_bounded(project, ray_head, grpo_reference):
     """160 prompts x 8 samples in one step (10x the default batch, 80x the reference run's):
-    the rollout and reward path finishes, and the actors' peak memory stays at the small run's."""
+    the rollout and reward path finishes, and the actors' peak memory stays at the small run's.
+    The optimizer mini-batch stays the reference's (global_batch_size=8): the trainer's activations
+    scale with it (rl has no gradient accumulation), not with the step's sample count."""
     rf = reward_file(project, "digits_reward.py", DIGITS_REWARD)
     out = project / "artifacts" / "rl_burst"
     proc = run_stage(project, ray_head, "rl", "--set", "rl.max_steps=1", "--set", "rl.prompts_per_step=160", "--set", "rl.n_samples=8",
                      "--set", "rl.engine=hf", "--set", f"rl.reward_file={rf}", "--set", "rl.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
-                     "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0", "--set", f"rl.output_dir={out}")
+                     "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0", "--set", "rl.global_batch_size=8",
+                     "--set", f"rl.output_dir={out}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert len(table(out, 1)) == 1280
     burst = json.loads((out / "metrics.json").read_text())
     small = json.loads((grpo_reference[0] / "metrics.json").read_text())
     for role in ("rollout", "reward", "reference", "policy", "driver"):
         assert burst[f"mem/peak_mb_{role}"] < small[f"mem/peak_mb_{role}"] + 256, (role, burst[f"mem/peak_mb_{role}"], small[f"mem/peak_mb_{role}"])
+    print({role: (small[f"mem/peak_mb_{role}"], burst[f"mem/peak_mb_{role}"]) for role in ("rollout", "reward", "reference", "policy", "driver")})
