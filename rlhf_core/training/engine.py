@@ -76,11 +76,19 @@ def load_model(path: str, kind: str, cfg: TrainConfig):
     return model
 
 
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """nanoGPT's split: weight decay on matrices (linear, embedding) only; norm gains and biases are
+    not pulled towards 0 (decaying an RMSNorm gain shrinks the whole layer's input)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def build_engine(model, cfg: TrainConfig):
     import deepspeed
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg))
     return engine
