@@ -34,6 +34,7 @@ class TrainConfig:
     """Sequences per optimizer step over all workers."""
     lr: float = 1e-3
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay, on weight matrices only (not norm gains or biases)."""
     warmup_steps: int = 10
     lr_scheduler: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
