@@ -1,7 +1,8 @@
 """The `rlhf` command.
 
   rlhf prepare [--set k=v ...]            task data in data/ + tiny base model in artifacts/base/
-  rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head)
+  rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head);
+                                          --detach: submit to RAY_ADDRESS and exit
   rlhf pipeline run [--stages ...]        the Prefect flow over the DVC DAG (unchanged stages skipped)
   rlhf serve [--port 4200]                local Prefect server + deployments (full, nightly cron)
   rlhf rollouts show PATH                 summary of RL rollout Parquet
@@ -27,7 +28,7 @@ from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_conf
 from rlhf_core.data.io import DataError, load_rows
 
 # stage name -> module with `Config` and `run(cfg)`; one line per stage
-STAGES = {"prepare": "stages.prepare", "sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo", "rl": "stages.rl"}
+STAGES = {"prepare": "stages.prepare", "pretrain": "stages.pretrain", "sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo", "rl": "stages.rl"}
 
 
 def _stage_module(name: str):
@@ -57,15 +58,33 @@ def _sigterm_as_interrupt() -> None:
 
 
 def cmd_stage_run(args) -> int:
-    from rlhf_core.runtime.cluster import job_server
-    from rlhf_core.runtime.jobs import JobFailed, forward_env, submit_and_wait, write_resolved_config
+    from rlhf_core.runtime import stage_lock
+    from rlhf_core.runtime.cluster import cluster_job_address, job_server
+    from rlhf_core.runtime.jobs import JobFailed, forward_env, submit_and_wait, submit_detached, write_resolved_config
 
     cfg = _resolve(args.stage, args)
+    address = cluster_job_address()
+    if args.detach and not address:
+        raise SystemExit("rlhf: --detach needs a cluster at RAY_ADDRESS: an embedded Ray head stops with this command")
+    try:  # fail fast, before anything is written or started; the job's own lock is the authority
+        stage_lock.check(cfg.output_dir, args.stage)
+    except stage_lock.StageLocked as e:
+        print(f"rlhf: {e}", file=sys.stderr)
+        return 3
     path = write_resolved_config(args.stage, config_to_dict(cfg), cfg.output_dir)
+    if args.detach:
+        job_id = submit_detached(address, args.stage, path, forward_env())
+        print(f"submitted {args.stage} as Ray job {job_id} (detached: it runs on without this command)\n"
+              f"  follow: ray job logs --address {address} --follow {job_id}\n"
+              f"  status: ray job status --address {address} {job_id}\n"
+              f"  stop:   ray job stop --address {address} {job_id}")
+        return 0
     _sigterm_as_interrupt()  # a terminated command stops its Ray job (and embedded head) like Ctrl-C
     try:
-        with job_server() as address:
-            submit_and_wait(address, args.stage, path, forward_env())
+        # killed outright (SIGKILL, OOM), the command still takes its work along: a watchdog
+        # stops the job on a cluster; an embedded head's watchdog kills the head with every job in it
+        with job_server() as job_address:
+            submit_and_wait(job_address, args.stage, path, forward_env(), guard=bool(address))
     except JobFailed as e:
         print(f"rlhf: {e}", file=sys.stderr)
         return 1
@@ -160,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     stage = sub.add_parser("stage", help="run pipeline stages").add_subparsers(dest="stage_command", required=True)
     p = with_config(stage.add_parser("run", help="run one stage as a Ray job; resumes from its last checkpoint"))
     p.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
+    p.add_argument("--detach", action="store_true",
+                   help="with RAY_ADDRESS: submit, print the job id and how to follow it, and exit; the job runs on "
+                        "(without it, the job is stopped when this command ends or dies)")
     p.set_defaults(func=cmd_stage_run)
 
     lineage = sub.add_parser("lineage", help="audit artifacts").add_subparsers(dest="lineage_command", required=True)

@@ -30,7 +30,8 @@ from rlhf_core.runtime import faults
 from rlhf_core.training import common
 from rlhf_core.training import rl_step
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import StageSpec, WorkerGroup, resume_key, resume_point, save_checkpoint, save_final_model, take, trim_history
+from rlhf_core.training.loop import (StageSpec, WorkerGroup, load_resumable, resume_key, resume_point, save_checkpoint,
+                                 save_final_model, take, trim_history)
 
 log = logging.getLogger("rlhf.rl")
 GROUP_ALGOS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
@@ -383,10 +384,11 @@ def run(cfg: Config) -> dict:
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
     history_path, rollout_dir = out_dir / "train_history.jsonl", out_dir / "rollouts"
     if found:
-        path, state = found
-        roles.policy.call("load_checkpoint", str(path / "policy"))
-        if roles.critic:
-            roles.critic.call("load_checkpoint", str(path / "critic"))
+        def load(path):
+            roles.policy.call("load_checkpoint", str(path / "policy"))
+            if roles.critic:
+                roles.critic.call("load_checkpoint", str(path / "critic"))
+        path, state = load_resumable(ckpt_dir, found, spec, key, load)  # one that fails to load: the previous one
         kl_ctl.load_state_dict(state["kl_controller"])
         roles.sync_weights(state["step"])
         trim_history(history_path, state["step"])

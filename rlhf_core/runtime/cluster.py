@@ -1,8 +1,10 @@
 """Where stages run: the cluster at `RAY_ADDRESS`, or an embedded local Ray head.
 
-The embedded head binds its dashboard/job server to 127.0.0.1 on free ports, is started by us
-as one child process (`ray start --head --block`) in its own process group, and is stopped by
-signalling that group — never `ray stop`, which would kill every Ray process on the host.
+The embedded head binds its dashboard/job server to 127.0.0.1 on free ports and runs under a
+watchdog (`runtime/watchdog.py`) in a session of its own: the watchdog starts `ray start --head
+--block`, keeps every process of the head as its descendant, and kills them all -- jobs included --
+when we stop the head or when this process dies, however it dies.  Never `ray stop`, which would
+kill every Ray process on the host.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from rlhf_core.runtime import watchdog
 
 log = logging.getLogger("rlhf.cluster")
 
@@ -66,8 +70,8 @@ class LocalRayHead:
             cmd.append(f"--{flag}={free_port()}")
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS", None)
-        log.info("starting local Ray head (dashboard %s)", self.job_address)
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.info("starting local Ray head (dashboard %s, temp dir %s)", self.job_address, self.temp_dir)
+        self.proc = watchdog.spawn(["head", "--temp-dir", self.temp_dir, "--", *cmd], stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -88,23 +92,25 @@ class LocalRayHead:
     def _tail(self, n: int = 4000) -> str:
         return Path(self.log_file.name).read_text(errors="replace")[-n:]
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGINT our `ray start --block` (it tears its daemons down; SIGTERM does not), then
-        SIGKILL whatever is left in its process group."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM our watchdog: it SIGINTs `ray start --block` (which tears its daemons down;
+        SIGTERM would not), then SIGKILLs every process of the head that is left.  Should the
+        watchdog not finish, SIGKILL its process group (`ray start` then gets SIGINT from the kernel)."""
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the head leads its own group
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
                 self.proc.wait(timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                log.warning("the Ray head's watchdog did not stop in time: killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(10)
         self.proc = None
-        shutil.rmtree(self.temp_dir, ignore_errors=True)  # session logs, sockets, spilled objects
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # the watchdog did; unless it could not
         log.info("stopped local Ray head")
 
     def __enter__(self) -> "LocalRayHead":
@@ -114,14 +120,21 @@ class LocalRayHead:
         self.stop()
 
 
+def cluster_job_address() -> str | None:
+    """The job-submission address of the cluster at `RAY_ADDRESS` (a dashboard URL, or
+    `ray://host:10001` whose dashboard is on 8265); None when it is not set."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address and address.startswith("ray://"):
+        address = "http://" + address[len("ray://"):].rsplit(":", 1)[0] + ":8265"
+    return address or None
+
+
 @contextlib.contextmanager
 def job_server():
-    """Yield the job-submission address: `RAY_ADDRESS` (a cluster's dashboard URL, or
-    `ray://host:10001` whose dashboard is on 8265) or a fresh embedded head, stopped afterwards."""
-    address = os.environ.get("RAY_ADDRESS")
+    """Yield the job-submission address: the cluster at `RAY_ADDRESS`, or a fresh embedded head,
+    stopped afterwards (and killed with us, should we die first)."""
+    address = cluster_job_address()
     if address:
-        if address.startswith("ray://"):
-            address = "http://" + address[len("ray://"):].rsplit(":", 1)[0] + ":8265"
         yield address
         return
     with LocalRayHead() as head:

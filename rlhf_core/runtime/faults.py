@@ -6,6 +6,8 @@ RLHF_FAULT holds one fault:
   nan_loss               every training step's loss becomes NaN (inside the workers)
   hang:POINT             the actor call at POINT never returns: `reward` (RewardWorker.score),
                          `rollout` (RolloutWorker.rollout) or `sync` (RolloutWorker.update_weights)
+  slow_steps:S           every supervised training step takes S seconds longer (the driver sleeps): a
+                         test can act mid-training although the tiny model trains 8 steps in a second
 RLHF_FAULT_ONCE=PATH makes the fault fire at most once: firing creates PATH, and a fault whose PATH
 exists stays quiet, so a retried stage runs clean (the Prefect-retry test relies on this).
 """
@@ -48,6 +50,15 @@ def sigkill_after(step: int) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_step() -> None:
+    """`slow_steps:S`: the driver sleeps S seconds after each training step."""
+    arg = armed("slow_steps")
+    if arg:
+        import time
+
+        time.sleep(float(arg))
 
 
 def kill_worker_during(step: int, worker) -> None:

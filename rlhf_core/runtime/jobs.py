@@ -1,6 +1,7 @@
 """Run a stage as a Ray job: `python -m stages.STAGE --config resolved.json`, logs streamed."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,27 +24,62 @@ def write_resolved_config(stage: str, config: dict, output_dir: str | Path) -> P
     """The resolved config is the only thing the job receives; it lives beside the artifact."""
     path = Path(output_dir) / "config.resolved.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"stage": stage, "config": config}, indent=2, sort_keys=True))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a starting job never reads half a file
+    tmp.write_text(json.dumps({"stage": stage, "config": config}, indent=2, sort_keys=True))
+    os.replace(tmp, path)
     return path
 
 
-def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None,
-                    poll_s: float = 1.0, out=sys.stdout) -> str:
-    """Submit the stage job to the job server at `address`, stream its logs to `out`, and
-    return the job id; raise `JobFailed` with the job's message and log tail on failure.
-    Ctrl-C stops the job before re-raising."""
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(address)
+def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | None, submission_id: str) -> str:
     cwd = Path.cwd().resolve()
     entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m stages.{stage} --config {shlex.quote(str(config_path.resolve()))}"
     # our own submission id, passed into the job too (Ray strips RAY_JOB_ID from a job's env):
-    # the stage records it in its manifest
-    submission_id = f"rlhf-{stage}-{uuid.uuid4().hex[:12]}"
-    env = {"PYTHONUNBUFFERED": "1", **(env_vars or {}), "RLHF_RAY_JOB_ID": submission_id}
+    # the stage records it in its manifest and its output-directory lock.  The config's sha256
+    # lets the job see that another run on the directory replaced the file before it got the lock.
+    env = {"PYTHONUNBUFFERED": "1", **(env_vars or {}), "RLHF_RAY_JOB_ID": submission_id,
+           "RLHF_CONFIG_SHA256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
     job_id = _submit_with_retry(client, entrypoint=entrypoint, runtime_env={"env_vars": env}, metadata={"stage": stage},
                                 submission_id=submission_id)
     log.info("submitted %s as Ray job %s", stage, job_id)
+    return job_id
+
+
+def new_submission_id(stage: str) -> str:
+    return f"rlhf-{stage}-{uuid.uuid4().hex[:12]}"
+
+
+def submit_detached(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None) -> str:
+    """Submit the stage job and return its id at once; it runs on when this process ends."""
+    from ray.job_submission import JobSubmissionClient
+
+    return _submit(JobSubmissionClient(address), stage, config_path, env_vars, new_submission_id(stage))
+
+
+def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None,
+                    poll_s: float = 1.0, out=sys.stdout, guard: bool = True) -> str:
+    """Submit the stage job to the job server at `address`, stream its logs to `out`, and
+    return the job id; raise `JobFailed` with the job's message and log tail on failure.
+    Ctrl-C stops the job before re-raising.  `guard`: a watchdog in a session of its own stops the
+    job if this process dies before the job ends, however it dies (off for an embedded head,
+    whose own watchdog takes every job along)."""
+    from ray.job_submission import JobSubmissionClient
+
+    from rlhf_core.runtime import watchdog
+
+    client = JobSubmissionClient(address)
+    submission_id = new_submission_id(stage)
+    # started before the submission: a kill in between must not leave the job running
+    guard_proc = watchdog.spawn(["job", address, submission_id]) if guard else None
+    try:
+        job_id = _submit(client, stage, config_path, env_vars, submission_id)
+        return _wait(client, stage, job_id, poll_s, out)
+    finally:
+        if guard_proc is not None:
+            guard_proc.terminate()  # the job has ended (or we stopped it): nothing to guard
+            guard_proc.wait()
+
+
+def _wait(client, stage: str, job_id: str, poll_s: float, out) -> str:
     printed = 0
     try:
         while True:

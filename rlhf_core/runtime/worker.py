@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.runtime import faults
+from rlhf_core.training.checkpoint import CheckpointLoadError, explain
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.engine import build_engine, init_distributed, load_model
 
@@ -97,15 +98,20 @@ class TrainWorker(PeakMemory):
         dist.barrier()
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
-        path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "engine"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the engine state from {ckpt_dir}")
-        rng = torch.load(Path(ckpt_dir) / f"rng_rank{self.rank}.pt", weights_only=True)
-        torch.set_rng_state(rng["torch"])
-        version, state, gauss = rng["python"]
-        random.setstate((version, tuple(state), gauss))
-        name, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        """Engine and RNG states of a checkpoint; any failure is a `CheckpointLoadError` naming
+        the checkpoint and why (DeepSpeed's own are often bare asserts)."""
+        try:
+            path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "engine"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+            if path is None:
+                raise RuntimeError("DeepSpeed found no engine state in it")
+            rng = torch.load(Path(ckpt_dir) / f"rng_rank{self.rank}.pt", weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            version, state, gauss = rng["python"]
+            random.setstate((version, tuple(state), gauss))
+            name, keys, pos, has_gauss, cached = rng["numpy"]
+            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        except Exception as e:
+            raise CheckpointLoadError(f"checkpoint {ckpt_dir} could not be loaded (rank {self.rank}): {explain(e)}") from e
 
     def save_model(self, out_dir: str) -> None:
         """HF format (safetensors) from rank 0; ZeRO-3 parameters are gathered first."""

@@ -10,7 +10,9 @@ Protocol: everything is written into `.tmp-step_N/`, fsynced, CHECKSUMS written,
 to `step_N/`, and only then is `latest` replaced (tmp file + rename).  Old checkpoints are deleted
 after that.  A crash at any point leaves the previous checkpoint and `latest` intact; stale
 `.tmp-*` dirs are removed at the next start.  Loading re-hashes the files; a corrupt or truncated
-checkpoint is skipped with a warning in favour of the newest complete one.
+checkpoint is skipped with a warning in favour of the newest complete one, and so is one that
+verifies but fails to load (`CheckpointLoadError`, naming it and why; `loop.load_resumable`).
+Only the holder of the output directory's lock (`runtime/stage_lock.py`) reads or writes them.
 """
 from __future__ import annotations
 
@@ -102,14 +104,36 @@ def verify(path: Path) -> list[str]:
     return problems
 
 
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that verifies but cannot be loaded (the message names it and says why)."""
+
+
+def explain(e: BaseException) -> str:
+    """`Type: message` of an exception; where the message is empty (a bare `assert` inside a
+    library), the failing line instead."""
+    import traceback
+
+    text = str(e).strip()
+    if not text and e.__traceback__ is not None:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        text = f"failed at {Path(frame.filename).name}:{frame.lineno}: {frame.line or '?'}"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def find_resumable(ckpt_dir: Path) -> tuple[Path, dict] | None:
     """The newest intact checkpoint (preferring `latest`) and its state, or None.
 
     A corrupt one is reported with a warning and the next older complete one is used.
     """
+    return next(iter_resumable(ckpt_dir), None)
+
+
+def iter_resumable(ckpt_dir: Path):
+    """Intact checkpoints with their states, in the order to try them: `latest` first, then
+    newest to oldest; a corrupt one is reported with a warning and skipped."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
-        return None
+        return
     candidates = sorted(ckpt_dir.glob("step_*"), reverse=True)
     pointer = ckpt_dir / LATEST
     if pointer.is_file():
@@ -118,6 +142,6 @@ def find_resumable(ckpt_dir: Path) -> tuple[Path, dict] | None:
     for cand in candidates:
         problems = verify(cand)
         if not problems:
-            return cand, json.loads((cand / "state.json").read_text())
-        log.warning("checkpoint %s is not usable, falling back to an older one: %s", cand, "; ".join(problems[:3]))
-    return None
+            yield cand, json.loads((cand / "state.json").read_text())
+        else:
+            log.warning("checkpoint %s is not usable, falling back to an older one: %s", cand, "; ".join(problems[:3]))

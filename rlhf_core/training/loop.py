@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_core.runtime import faults
+from rlhf_core.runtime import faults, stage_lock
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.config import TrainConfig
 
@@ -149,7 +149,9 @@ def trim_history(path: Path, step: int) -> None:
 
 def resume_point(ckpt_dir: Path, cfg: TrainConfig, spec: StageSpec, key: str) -> tuple[Path, dict] | None:
     """The checkpoint to resume from, None for a fresh start, or ResumeError if resuming would
-    train nothing or skip/replay data."""
+    train nothing or skip/replay data.  Nothing is read before this process holds the output
+    directory's lock (`stage_main` took it already; a direct caller takes it here)."""
+    stage_lock.acquire(ckpt_dir.parent, spec.name)
     if not cfg.resume:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +173,30 @@ def resume_point(ckpt_dir: Path, cfg: TrainConfig, spec: StageSpec, key: str) ->
     return found
 
 
+def load_resumable(ckpt_dir: Path, found: tuple[Path, dict], spec: StageSpec, key: str, load: Callable[[Path], None]) -> tuple[Path, dict]:
+    """Load `found` (from `resume_point`) with `load(path)`.  A checkpoint that verifies but fails
+    to load is reported, naming it and why, and the next older complete one of the same run is
+    tried, as for a hash mismatch; if none loads, the error lists each one and why."""
+    def candidates():
+        yield found
+        yield from (c for c in ckpt.iter_resumable(ckpt_dir) if c[0] != found[0])  # only read after a failure
+
+    failures = []
+    for path, state in candidates():
+        if state.get("resume_key") != key:
+            continue
+        try:
+            load(path)
+            return path, state
+        except Exception as e:  # a RayTaskError carries the worker's CheckpointLoadError as its cause
+            cause = getattr(e, "cause", None) or e
+            why = str(cause) if isinstance(cause, ckpt.CheckpointLoadError) else ckpt.explain(cause)
+            log.warning("checkpoint %s could not be loaded, trying the previous complete one: %s", path.name, why)
+            failures.append(f"{path.name}: {why}")
+    raise ResumeError(f"no checkpoint in {ckpt_dir} could be loaded ({'; '.join(failures)}). Fix the cause, or "
+                      f"--set {spec.name}.resume=false to start over.")
+
+
 def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup, dict]:
     """Run (or resume) training to `cfg.max_steps`; returns the worker group and metrics."""
     from torch.utils.tensorboard import SummaryWriter
@@ -188,8 +214,8 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     if spec.before_train:
         spec.before_train(group)
     if found:
+        found = load_resumable(ckpt_dir, found, spec, key, lambda p: group.call("load_checkpoint", str(p)))
         path, state = found
-        group.call("load_checkpoint", str(path))
         log.info("resumed from %s (step %d, %d samples consumed)", path.name, state["step"], state["consumed"])
     else:
         state = {"step": 0, "consumed": 0, "nan_skipped": 0, "data_fingerprint": spec.data_fingerprint, "resume_key": key,
@@ -242,6 +268,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
         if step % cfg.save_steps == 0 or step == cfg.max_steps:
             save_checkpoint([(group, "")], ckpt_dir, step, state, cfg.keep_checkpoints)
         faults.sigkill_after(step)
+        faults.slow_step()
     bar.close()
     metrics = spec.evaluate(group)
     for k, v in metrics.items():
