@@ -6,8 +6,8 @@ RLHF_FAULT holds one fault:
   nan_loss               every training step's loss becomes NaN (inside the workers)
   hang:POINT             the actor call at POINT never returns: `reward` (RewardWorker.score),
                          `rollout` (RolloutWorker.rollout) or `sync` (RolloutWorker.update_weights)
-  slow_steps:S           every supervised training step takes S seconds longer (the driver sleeps): a
-                         test can act mid-training although the tiny model trains 8 steps in a second
+  slow_steps:S           every optimizer step of a training worker takes S seconds longer (sft, rm, dpo,
+                         rl): a test can act mid-training although the tiny model trains 8 steps in a second
 RLHF_FAULT_ONCE=PATH makes the fault fire at most once: firing creates PATH, and a fault whose PATH
 exists stays quiet, so a retried stage runs clean (the Prefect-retry test relies on this).
 """
@@ -53,7 +53,7 @@ def sigkill_after(step: int) -> None:
 
 
 def slow_step() -> None:
-    """`slow_steps:S`: the driver sleeps S seconds after each training step."""
+    """`slow_steps:S`: the training worker sleeps S seconds in each optimizer step."""
     arg = armed("slow_steps")
     if arg:
         import time

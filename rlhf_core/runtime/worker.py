@@ -53,6 +53,7 @@ class TrainWorker(PeakMemory):
         loss, stats = loss_fn(self.engine, self._to_device(batch), counts)
         if faults.armed("nan_loss") is not None:  # fault injection for the reliability tests
             loss = loss * float("nan")
+        faults.slow_step()
         finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0], device=loss.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if finite.item() == 0.0:

@@ -268,7 +268,6 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
         if step % cfg.save_steps == 0 or step == cfg.max_steps:
             save_checkpoint([(group, "")], ckpt_dir, step, state, cfg.keep_checkpoints)
         faults.sigkill_after(step)
-        faults.slow_step()
     bar.close()
     metrics = spec.evaluate(group)
     for k, v in metrics.items():
