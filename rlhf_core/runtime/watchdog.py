@@ -68,6 +68,21 @@ def live_children() -> dict[int, list[int]]:
 
 def descendants(root: int) -> list[int]:
     """Every live process below `root` in the process tree."""
+    if not os.path.isdir("/proc"):  # macOS: no /proc (and no subreaper: orphans escape the sweep)
+        import psutil  # a Ray dependency
+
+        found = []
+        try:
+            kids = psutil.Process(root).children(recursive=True)
+        except psutil.Error:
+            return found
+        for child in kids:
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    found.append(child.pid)
+            except psutil.Error:  # gone meanwhile
+                pass
+        return found
     kids, out, stack = live_children(), [], [root]
     while stack:
         for child in kids.get(stack.pop(), []):
@@ -114,11 +129,11 @@ def run_head(parent: int, cmd: list[str], temp_dir: str | None, grace: float) ->
     signal.signal(signal.SIGTERM, lambda *_: stop.append("stop"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only our parent's SIGTERM or its death stop us
 
-    def on_our_death():
+    def child_setup():  # in the forked child (we have no threads): SIGINT as usual, and sent to it if we die
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         _prctl(PR_SET_PDEATHSIG, signal.SIGINT)
 
-    head = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=on_our_death)
+    head = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=child_setup)
     code = None
     try:
         while code is None:
