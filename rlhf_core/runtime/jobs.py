@@ -70,32 +70,41 @@ def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[
     submission_id = new_submission_id(stage)
     # started before the submission: a kill in between must not leave the job running
     guard_proc = watchdog.spawn(["job", address, submission_id]) if guard else None
+    ended = False
     try:
         job_id = _submit(client, stage, config_path, env_vars, submission_id)
-        return _wait(client, stage, job_id, poll_s, out)
+        try:
+            _wait(client, stage, job_id, poll_s, out)
+        except JobFailed:  # ended by itself
+            ended = True
+            raise
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM: stop the job, then go
+            log.warning("interrupted: stopping Ray job %s", job_id)
+            client.stop_job(job_id)
+            ended = True
+            raise
+        ended = True
+        return job_id
     finally:
-        if guard_proc is not None:
-            guard_proc.terminate()  # the job has ended (or we stopped it): nothing to guard
+        # dismissed once the job has ended or was stopped; on any other way out (our stdout is a
+        # pipe whose reader died, the job server went away ...) it stays and stops the job once we exit
+        if guard_proc is not None and ended:
+            guard_proc.terminate()
             guard_proc.wait()
 
 
 def _wait(client, stage: str, job_id: str, poll_s: float, out) -> str:
     printed = 0
-    try:
-        while True:
-            status = str(client.get_job_status(job_id).value)
-            logs = client.get_job_logs(job_id)
-            if len(logs) > printed:
-                out.write(logs[printed:])
-                out.flush()
-                printed = len(logs)
-            if status in TERMINAL:
-                break
-            time.sleep(poll_s)
-    except KeyboardInterrupt:
-        log.warning("interrupted: stopping Ray job %s", job_id)
-        client.stop_job(job_id)
-        raise
+    while True:
+        status = str(client.get_job_status(job_id).value)
+        logs = client.get_job_logs(job_id)
+        if len(logs) > printed:
+            out.write(logs[printed:])
+            out.flush()
+            printed = len(logs)
+        if status in TERMINAL:
+            break
+        time.sleep(poll_s)
     if status != "SUCCEEDED":
         info = client.get_job_info(job_id)
         raise JobFailed(f"stage {stage} (Ray job {job_id}) {status}: {info.message}\n--- log tail ---\n{logs[-3000:]}")

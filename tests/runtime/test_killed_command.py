@@ -202,6 +202,32 @@ def test_a_detached_job_runs_on_and_holds_its_output_dir(project, ray_head, sft_
     assert (out / "model" / "model.safetensors").exists() and stage_lock.holder(out) is None
 
 
+@pytest.mark.xdist_group("sft_later")
+def test_the_job_stops_when_the_reader_of_the_command_output_dies(project, ray_head):
+    """A crashed Prefect worker (or a closed ssh session): the pipe the command writes its logs to
+    loses its reader.  The command dies at its next write, and its guard stops the job."""
+    from ray.job_submission import JobSubmissionClient
+
+    out = project / "artifacts" / "sft_orphan"
+    args = ["stage", "run", "sft", "--params", "none.yaml", *SFT, "--set", f"sft.output_dir={out}"]
+    cmd = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", *args], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True, env={**os.environ, "RAY_ADDRESS": ray_head, "RLHF_FAULT": "slow_steps:0.5"})
+    seen = []
+    for line in cmd.stdout:  # until the job holds its output directory
+        seen.append(line)
+        if m := re.search(r"holding \S+ for Ray job (\S+)", line):
+            job_id = m.group(1)
+            break
+    else:
+        raise AssertionError("".join(seen)[-3000:])
+    cmd.stdout.close()  # the reader is gone
+    assert cmd.wait(timeout=120) != 0
+    client = JobSubmissionClient(ray_head)
+    assert wait_for(lambda: str(client.get_job_status(job_id).value) == "STOPPED", 60, poll=0.2), client.get_job_status(job_id)
+    assert wait_for(lambda: not processes_of_job(job_id), 30)
+    assert stage_lock.holder(out) is None
+
+
 # rl on the vLLM engine, submitted to a cluster (RAY_ADDRESS): the command's guard stops the job
 DIGITS_REWARD = "def reward(prompts, responses, labels, **kw):\n    return [sum(c.isdigit() for c in r) / max(1, len(r)) for r in responses]\n"
 RL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_steps=0", "--set", "rl.prompts_per_step=4",
