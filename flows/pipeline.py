@@ -24,8 +24,10 @@ from prefect.states import Completed, State
 
 from flows import promotion
 
-STAGES = ["prepare", "sft", "rm", "dpo", "rl"]
+STAGES = ["prepare", "pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr"]
 DEFAULT_STAGES = list(STAGES)
+CANDIDATES = ["sft", "dpo", "rl@rlhf", "rl@rlvr"]
+"""Stages whose model/ may become the champion."""
 
 
 class StageFailed(RuntimeError):
@@ -186,9 +188,12 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
         run = lambda stage: _value(task(stage, str(root), push)) if stage in chosen else None  # noqa: E731
         # one line per stage, in DAG order; each starts after the one before finished
         results = {"prepare": run("prepare")}
+        results["pretrain"] = run("pretrain")
         results["sft"] = run("sft")
         results["rm"] = run("rm")
         results["dpo"] = run("dpo")
-        results["rl"] = run("rl")
-        decision = promotion.gate(root, chosen[-1], promotion_margin, str(flow_run.id or "")) if promote and chosen else None
+        results["rl@rlhf"] = run("rl@rlhf")
+        results["rl@rlvr"] = run("rl@rlvr")
+        # the candidates: every policy the DAG trains; the gate picks by gold eval/accuracy
+        decision = promotion.gate(root, CANDIDATES, promotion_margin, str(flow_run.id or "")) if promote and chosen else None
     return {"stages": results, "promotion": decision}

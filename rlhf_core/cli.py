@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 
-from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config
+from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config, split_stage
 from rlhf_core.data.io import DataError, load_rows
 
 # stage name -> module with `Config` and `run(cfg)`; one line per stage
@@ -32,9 +32,10 @@ STAGES = {"prepare": "stages.prepare", "pretrain": "stages.pretrain", "sft": "st
 
 
 def _stage_module(name: str):
-    if name not in STAGES:
-        raise SystemExit(f"rlhf: unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
-    return importlib.import_module(STAGES[name])
+    section, _ = split_stage(name)  # `rl@rlhf`: a variant of rl (params.yaml rl_variants.rlhf)
+    if section not in STAGES:
+        raise SystemExit(f"rlhf: unknown stage {name!r}; valid stages: {', '.join(STAGES)} (a variant: STAGE@NAME)")
+    return importlib.import_module(STAGES[section])
 
 
 def _resolve(stage: str, args) -> object:

@@ -151,9 +151,25 @@ def load_params(params_path: str | Path = "params.yaml") -> dict:
     return data
 
 
-def load_config(cls: type[T], section: str, params_path: str | Path = "params.yaml", overrides: typing.Iterable[str] = ()) -> T:
-    """Defaults of `cls`, updated by `params.yaml[section]`, updated by the overrides."""
-    data = load_params(params_path).get(section) or {}
+def split_stage(stage: str) -> tuple[str, str | None]:
+    """`rl@rlhf` -> ("rl", "rlhf"): a variant of a stage (a DVC `foreach` item); `sft` -> ("sft", None)."""
+    section, _, variant = stage.partition("@")
+    return section, variant or None
+
+
+def load_config(cls: type[T], stage: str, params_path: str | Path = "params.yaml", overrides: typing.Iterable[str] = ()) -> T:
+    """Defaults of `cls`, updated by `params.yaml[section]`, by `params.yaml[section_variants][variant]`
+    for a variant stage `section@variant`, then by the overrides.  A variant writes to
+    `artifacts/section@variant` unless it sets its own `output_dir`."""
+    section, variant = split_stage(stage)
+    params = load_params(params_path)
+    data = params.get(section) or {}
+    if variant:
+        variants = params.get(f"{section}_variants") or {}
+        if variant not in variants:
+            raise ConfigError(f"unknown variant {stage!r}: {params_path} has no {section}_variants.{variant} "
+                              f"(variants: {', '.join(sorted(variants)) or 'none'})")
+        data = _merge({"output_dir": f"artifacts/{stage}", **data}, variants[variant] or {})
     data = _merge(data, parse_overrides(overrides, section))
     return from_dict(cls, data, prefix=f"{section}.")
 

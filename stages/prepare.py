@@ -1,4 +1,4 @@
-"""Stage `prepare`: the task data in `data/` and the tiny base model in `artifacts/base/`.
+"""Stage `prepare`: the task data and pretraining corpus in `data/`, the tiny base model in `artifacts/base/`.
 
 Reads top to bottom: config, data (generate, write, validate), tokenizer + model, save, manifest.
 At a user's site `sft.model_path` points at real weights and their own data replaces `data/`;
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rlhf_core.artifacts.manifest import current_run_ids, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict
+from rlhf_core.data.corpus import CorpusConfig, build_corpus, check_corpus
 from rlhf_core.data.io import load_rows, write_jsonl
 from rlhf_core.data.task import TaskConfig, generate_task
 from rlhf_core.models.tiny import TinyModelConfig, build_model, build_tokenizer
@@ -23,7 +24,7 @@ log = logging.getLogger("rlhf.prepare")
 
 # split name -> (file in data/, schema kind for validation)
 SPLITS = {"sft": ("sft.jsonl", "sft"), "pref": ("prefs.jsonl", "pref"), "rl": ("rl.jsonl", "rl"),
-          "eval": ("eval.jsonl", "rl"), "eval_pref": ("eval_prefs.jsonl", "pref")}
+          "eval": ("eval.jsonl", "rl"), "eval_pref": ("eval_prefs.jsonl", "pref"), "pretrain": ("pretrain.jsonl", "text")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,8 @@ class Config:
     """Where the base model and tokenizer are written."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The synthetic arithmetic task and its split sizes."""
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    """The pretraining corpus (data/pretrain.jsonl) written from the task."""
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Size of the tiny Llama."""
 
@@ -46,9 +49,10 @@ tags: [rlhf-pipeline, tiny-llama, base]
 ---
 # Tiny base model (stage `prepare`)
 
-A randomly initialised Llama-architecture causal LM ({params:,} parameters, {layers} layers,
+A randomly initialised {arch}-architecture causal LM ({params:,} parameters, {layers} layers,
 hidden size {hidden}, head_dim 64) with a byte-level BPE tokenizer ({vocab} tokens) trained on the
-synthetic arithmetic task (`Q: 37+58= A:` -> ` 95`). It knows nothing yet: the `sft` stage teaches it.
+synthetic arithmetic task (`Q: 37+58= A:` -> ` 95`). It knows nothing yet: the `pretrain` stage
+trains it on `data/pretrain.jsonl`, then `sft` teaches the task.
 
 * data: {data_dir}/ ({counts})
 * config sha256: `{config_sha}`
@@ -62,6 +66,9 @@ See `manifest.json` for the exact inputs and file hashes.
 def write_data(cfg: Config) -> dict[str, list[dict]]:
     """Generate, write and validate every split; returns the validated rows per split."""
     splits = generate_task(cfg.task, cfg.seed)
+    held_out = {r["prompt"].removeprefix("Q: ").removesuffix("= A:") for name in ("eval", "eval_pref") for r in splits[name]}
+    splits["pretrain"] = build_corpus(cfg.task, cfg.corpus, held_out, cfg.seed)
+    check_corpus(splits["pretrain"], held_out)  # like the split check: no held-out prompt in training text
     data_dir = Path(cfg.data_dir)
     validated = {}
     for name, (filename, kind) in SPLITS.items():
@@ -76,6 +83,7 @@ def build_base(cfg: Config, splits: dict[str, list[dict]]) -> dict:
     counts = {name: len(rows) for name, rows in splits.items()}
     # training splits only: the tokenizer never sees held-out text
     corpus = [r["prompt"] + r.get("response", r.get("chosen", "")) for name in ("sft", "pref", "rl") for r in splits[name]]
+    corpus += [r["text"] for r in splits["pretrain"]]
     tokenizer = build_tokenizer(corpus, cfg.model.vocab_size)
     model = build_model(cfg.model, tokenizer, cfg.seed)
     params = sum(p.numel() for p in model.parameters())
@@ -87,7 +95,7 @@ def build_base(cfg: Config, splits: dict[str, list[dict]]) -> dict:
     tokenizer.save_pretrained(tmp)
     metrics = {"params": params, "vocab_size": len(tokenizer), **{f"rows/{k}": v for k, v in counts.items()}}
     (tmp / "README.md").write_text(MODEL_CARD.format(
-        params=params, layers=cfg.model.num_layers, hidden=cfg.model.hidden_size, vocab=len(tokenizer),
+        arch=cfg.model.arch, params=params, layers=cfg.model.num_layers, hidden=cfg.model.hidden_size, vocab=len(tokenizer),
         data_dir=cfg.data_dir, counts=", ".join(f"{k}: {v}" for k, v in counts.items()),
         config_sha=config_hash(cfg), seed=cfg.seed))
     (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))

@@ -18,7 +18,7 @@ from rlhf_core.training.loop import StageSpec, save_final_model, train
 
 @dataclass(frozen=True, kw_only=True)
 class Config(TrainConfig):
-    model_path: str | None = "artifacts/base"
+    model_path: str | None = "artifacts/pretrain/model"
     train_data: str = "data/sft.jsonl"
     eval_data: str = "data/eval.jsonl"
     output_dir: str = "artifacts/sft"
@@ -63,22 +63,27 @@ def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
     rows = common.load_data(cfg.train_data, "sft", cfg, out_dir / "rejects" / "train.jsonl")
     examples, too_long = tokenize_rows(rows, lambda r: prompt_response(tokenizer, format_prompt(r), common.response_text(r), cfg.max_len), cfg.max_len)
     common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
+    collate = common.Collate(tokenizer.pad_token_id)
+    evaluate = make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir)
+    spec = StageSpec(name="sft", model_path=cfg.model_path, model_kind="causal_lm", examples=examples, collate=collate,
+                     loss_fn=loss_fn, counts=count_tokens, evaluate=evaluate,
+                     data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
+    return spec, tokenizer
+
+
+def make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir: Path):
+    """`eval/accuracy` (greedy, exact match) and `eval/loss` (NLL of ` label`) on `cfg.eval_data`."""
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [format_prompt(r) for r in eval_rows]
     eval_examples, eval_too_long = tokenize_rows(eval_rows, lambda r: prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len), cfg.max_len)
     common.check_too_long(eval_too_long, len(eval_rows), cfg, out_dir / "rejects" / "eval_too_long.jsonl")
-    collate = common.Collate(tokenizer.pad_token_id)
 
     def evaluate(group) -> dict:
         metrics = common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
         nll = group.call_rank0("evaluate", common.batches(collate, eval_examples, cfg.eval_batch_size), nll_fn)
         metrics["eval/loss"] = sum(s for s, _ in nll) / max(1.0, sum(n for _, n in nll))
         return metrics
-
-    spec = StageSpec(name="sft", model_path=cfg.model_path, model_kind="causal_lm", examples=examples, collate=collate,
-                     loss_fn=loss_fn, counts=count_tokens, evaluate=evaluate,
-                     data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
-    return spec, tokenizer
+    return evaluate
 
 
 def run(cfg: Config) -> dict:

@@ -4,6 +4,7 @@ Formats (ARCHITECTURE.md §3):
   sft   prompt, response      (or `messages`: [{role, content}, ...] with an assistant turn)
   pref  prompt, chosen, rejected
   rl    prompt, label          (also the eval format)
+  text  text                   (pretraining documents)
 
 A malformed row (missing key, wrong type, empty text, non-UTF-8, over `max_chars`, duplicate
 `id`, chosen == rejected) is rejected with a reason, written to a rejects file and counted.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label")}
+SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label"), "text": ("text",)}
 
 
 class DataError(ValueError):

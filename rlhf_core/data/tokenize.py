@@ -50,3 +50,14 @@ def tokenize_rows(rows: list[dict], fn, max_len: int) -> tuple[list[dict], list[
         except TooLong as e:
             rejects.append({"row_index": i, "id": row.get("id"), "reason": str(e)})
     return examples, rejects
+
+
+def pack_documents(docs: list[list[int]], seq_len: int, seed: int) -> tuple[list[dict], int]:
+    """Causal-LM packing: documents (token ids, BOS/EOS included) in a seeded order, concatenated
+    and cut into `seq_len` windows `{input_ids, loss_mask}` (loss on every token; a window may
+    span documents, as in GPT-style pretraining).  Returns (windows, tokens dropped at the end)."""
+    order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()
+    stream = [t for i in order for t in docs[i]]
+    n = len(stream) // seq_len
+    windows = [{"input_ids": stream[k * seq_len:(k + 1) * seq_len], "loss_mask": [1] * seq_len} for k in range(n)]
+    return windows, len(stream) - n * seq_len

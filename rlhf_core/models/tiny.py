@@ -1,14 +1,21 @@
-"""The embedded base model: a tokenizer trained locally and a tiny Llama built from a config.
+"""The embedded base model: a tokenizer trained locally and a tiny Qwen3 (or Llama) built from a config.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained with `tokenizers` on the
 task corpus (digits are always single tokens, so arithmetic is learnable), and the model is
-`LlamaForCausalLM` with random weights.  Both save in HF format and reload with
-`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(path)`, so vLLM serves them too.
+`Qwen3ForCausalLM` with random weights (the `pretrain` stage then trains it).  Both save in HF
+format and reload with `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(path)`, so vLLM
+serves them too.
+
+Why Qwen3 by default: its RMSNorm on queries and keys (QK-norm) bounds the attention logits.
+Without it (the Llama layout) the tiny model's attention saturated during training -- 45-50% of
+heads put weight > 0.999 on one position -- and a reward model fine-tuned from it stayed at
+chance, because a saturated softmax passes no gradient to the positions it ignores
+(docs/benchmarks.md, "the learning chain").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Literal
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 # Used when rows come as chat `messages`; a real model brings its own template.
@@ -20,6 +27,8 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True, kw_only=True)
 class TinyModelConfig:
+    arch: Literal["qwen3", "llama"] = "qwen3"
+    """qwen3: Llama plus QK-norm (the healthy default); llama: the layout without it."""
     vocab_size: int = 320
     """Target BPE vocabulary (256 bytes + specials + merges)."""
     hidden_size: int = 256
@@ -60,11 +69,12 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int):
 
 
 def build_model(cfg: TinyModelConfig, tokenizer, seed: int):
-    """A randomly initialised `LlamaForCausalLM` (fp32) sized by `cfg`, seeded."""
+    """A randomly initialised `Qwen3ForCausalLM` / `LlamaForCausalLM` (fp32) sized by `cfg`, seeded."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config = LlamaConfig(
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if cfg.arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -80,7 +90,7 @@ def build_model(cfg: TinyModelConfig, tokenizer, seed: int):
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model

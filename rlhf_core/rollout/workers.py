@@ -101,6 +101,7 @@ class RewardWorker(PeakMemory):
     def score(self, samples: list[dict]) -> list[dict]:
         """Per sample: score (NaN if invalid), components, invalid reason.  The environment's own
         reward (multi-turn agents) is the component `env`."""
+        from rlhf_core.rollout import rewards as R
         from rlhf_core.rollout.rewards import RewardError, combine
 
         faults.hang("reward")
@@ -120,6 +121,11 @@ class RewardWorker(PeakMemory):
         if not results:
             raise RewardError("no reward source: set reward_file, reward_model or reward_url, or use an agent whose environment rewards")
         scores, components, reasons = combine(results, self.weights, n)
+        # the gold (verifiable) reward, logged beside whatever the policy is trained on -- with a
+        # reward model that is the over-optimisation curve; weight 0, never part of the score
+        labels = [s.get("label") for s in samples]
+        if all(isinstance(label, str) and label for label in labels):
+            components["gold"] = R.exact_match(None, [s["response"] for s in samples], labels)
         return [{"score": scores[i] if reasons[i] is None else math.nan, "components": {k: v[i] for k, v in components.items()},
                  "invalid": reasons[i]} for i in range(n)]
 

@@ -6,6 +6,8 @@ RLHF_FAULT holds one fault:
   nan_loss               every training step's loss becomes NaN (inside the workers)
   hang:POINT             the actor call at POINT never returns: `reward` (RewardWorker.score),
                          `rollout` (RolloutWorker.rollout) or `sync` (RolloutWorker.update_weights)
+  sigkill_at:POINT       the process SIGKILLs itself at POINT (`promotion`: between copying the new
+                         champion and switching to it)
   slow_steps:S           every optimizer step of a training worker takes S seconds longer (sft, rm, dpo,
                          rl): a test can act mid-training although the tiny model trains 8 steps in a second
 RLHF_FAULT_ONCE=PATH makes the fault fire at most once: firing creates PATH, and a fault whose PATH
@@ -49,6 +51,15 @@ def sigkill_after(step: int) -> None:
     if at_step("sigkill_after_step", step):
         import signal
 
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sigkill_at(point: str) -> None:
+    """`sigkill_at:POINT`: die abruptly at a named point (a crash between two writes)."""
+    if armed("sigkill_at") == point:
+        import signal
+
+        log.warning("RLHF_FAULT: sigkill at %s", point)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -32,7 +32,7 @@ def write_resolved_config(stage: str, config: dict, output_dir: str | Path) -> P
 
 def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | None, submission_id: str) -> str:
     cwd = Path.cwd().resolve()
-    entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m stages.{stage} --config {shlex.quote(str(config_path.resolve()))}"
+    entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m stages.{stage.partition('@')[0]} --config {shlex.quote(str(config_path.resolve()))}"
     # our own submission id, passed into the job too (Ray strips RAY_JOB_ID from a job's env):
     # the stage records it in its manifest and its output-directory lock.  The config's sha256
     # lets the job see that another run on the directory replaced the file before it got the lock.
@@ -45,7 +45,7 @@ def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | No
 
 
 def new_submission_id(stage: str) -> str:
-    return f"rlhf-{stage}-{uuid.uuid4().hex[:12]}"
+    return f"rlhf-{stage.replace('@', '-')}-{uuid.uuid4().hex[:12]}"
 
 
 def submit_detached(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None) -> str:
