@@ -175,8 +175,8 @@ def test_a_detached_job_runs_on_and_holds_its_output_dir(project, ray_head, sft_
     from ray.job_submission import JobSubmissionClient
 
     out = project / "artifacts" / "sft_detached"
-    args = ["stage", "run", "sft", "--params", "none.yaml", "--set", "sft.max_steps=3", "--set", "sft.save_steps=3",
-            "--set", "sft.global_batch_size=16", "--set", "sft.eval_max_new_tokens=2", "--set", f"sft.output_dir={out}"]
+    args = ["stage", "run", "sft", "--params", "none.yaml", *SFT, "--set", "sft.max_steps=3", "--set", "sft.save_steps=3",
+            "--set", "sft.eval_max_new_tokens=2", "--set", f"sft.output_dir={out}"]  # later --set win
     env = {**os.environ, "RAY_ADDRESS": ray_head}
     t0 = time.time()
     detached = subprocess.run([sys.executable, "-m", "rlhf_core.cli", *args, "--detach"], cwd=project, capture_output=True, text=True,
