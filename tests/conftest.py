@@ -56,7 +56,9 @@ def project(tmp_path_factory):
     return root
 
 
-SFT = ["--set", "sft.max_steps=8", "--set", "sft.save_steps=3", "--set", "sft.global_batch_size=16",
+# tests start sft from the random base model (a few steps test the machinery, not learning;
+# tests/stages/test_learning.py checks the pretrain -> sft -> rm chain learns)
+SFT = ["--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=8", "--set", "sft.save_steps=3", "--set", "sft.global_batch_size=16",
        "--set", "sft.log_steps=4", "--set", "sft.eval_max_new_tokens=4"]
 
 

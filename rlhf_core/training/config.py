@@ -54,6 +54,10 @@ class TrainConfig:
     eval_max_new_tokens: int = 8
     eval_batch_size: int = 64
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights' dtype (bfloat16: weights, gradients and DeepSpeed's bf16 mode)."""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """bf16: the training forward under `torch.autocast(bfloat16)` with fp32 weights and optimizer
+    (about 1.5x faster on this CPU's AMX units for the tiny model); evals stay in fp32."""
 
     def __post_init__(self):
         if self.global_batch_size % self.num_workers:
