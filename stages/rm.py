@@ -1,8 +1,17 @@
 """Stage `rm`: a Bradley-Terry reward model on `prompt,chosen,rejected` pairs.
 
-The sft model gets a one-logit sequence-classification head (`AutoModelForSequenceClassification`,
-num_labels=1); the reward is that logit at the last non-pad token.  Metrics: `eval/pair_accuracy`
-on held-out pairs and the reward mean/std there (saved with the model for later normalisation).
+The sft model gets a one-logit head.  `pooling` says where the reward is read:
+
+  last           the logit at the last non-pad token (`AutoModelForSequenceClassification`): the
+                 classic RM (OpenRLHF, TRL)
+  response_sum   a logit at every token (`AutoModelForTokenClassification`), summed over the
+  response_mean  response tokens (or averaged): a dense, token-level reward whose sum is the score
+
+On the embedded task `response_sum` learns several times faster: each answer token's score only
+has to compare that token with what the model predicted one position earlier, while `last` must
+route every digit's verdict to one position (docs/benchmarks.md, "the learning chain").
+Metrics: `eval/pair_accuracy` on held-out pairs and the reward mean/std there, saved with the model
+(`reward_stats.json`, with the pooling) for the rl stage's normalisation.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from rlhf_core.algos.aggregation import pool_response
 from rlhf_core.algos.losses import RM_LOSSES
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
@@ -31,25 +41,30 @@ class Config(TrainConfig):
     """Pairwise loss (`algos.losses.RM_LOSSES`)."""
     margin: float = 0.0
     """Margin of the sigmoid loss."""
+    pooling: Literal["last", "response_sum", "response_mean"] = "last"
+    """Where the reward is read: the last token, or per token summed/averaged over the response."""
 
 
 # --- maths: run inside the workers ---------------------------------------------------------
 
 
-def rewards_of(model, batch):
+def rewards_of(model, batch, pooling: str):
     """Scalar reward per sequence `(2B,)`: chosen first, then rejected."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
+    if pooling == "last":
+        return logits
+    return pool_response(logits, batch["loss_mask"].float(), pooling)
 
 
-def loss_fn(model, batch, counts, loss: str, margin: float):
-    rewards = rewards_of(model, batch)
+def loss_fn(model, batch, counts, loss: str, margin: float, pooling: str):
+    rewards = rewards_of(model, batch, pooling)
     b = rewards.shape[0] // 2
     value, stats = RM_LOSSES[loss](rewards[:b], rewards[b:], margin)
     return value * b / counts["num_pairs"], stats  # mean over the global batch, summed over ranks
 
 
-def pair_rewards_fn(model, batch):
-    return common.split_pairs(rewards_of(model, batch))
+def pair_rewards_fn(model, batch, pooling: str):
+    return common.split_pairs(rewards_of(model, batch, pooling))
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -63,14 +78,14 @@ def build_spec(cfg: Config, out_dir: Path):
     collate = common.CollatePairs(tokenizer.pad_token_id)
 
     def evaluate(group) -> dict:
-        pr = group.call_rank0("evaluate", common.batches(collate, eval_pairs, cfg.eval_batch_size), pair_rewards_fn)
+        pr = group.call_rank0("evaluate", common.batches(collate, eval_pairs, cfg.eval_batch_size), partial(pair_rewards_fn, pooling=cfg.pooling))
         flat = [r for pair in pr for r in pair]
         mean = sum(flat) / len(flat)
         std = (sum((r - mean) ** 2 for r in flat) / max(1, len(flat) - 1)) ** 0.5
         return {"eval/pair_accuracy": sum(c > r for c, r in pr) / len(pr), "eval/reward_mean": mean, "eval/reward_std": std}
 
-    spec = StageSpec(name="rm", model_path=cfg.model_path, model_kind="reward", examples=pairs, collate=collate,
-                     loss_fn=partial(loss_fn, loss=cfg.loss, margin=cfg.margin), counts=common.count_pairs,
+    spec = StageSpec(name="rm", model_path=cfg.model_path, model_kind="reward" if cfg.pooling == "last" else "value", examples=pairs,
+                     collate=collate, loss_fn=partial(loss_fn, loss=cfg.loss, margin=cfg.margin, pooling=cfg.pooling), counts=common.count_pairs,
                      evaluate=evaluate, data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
     return spec, tokenizer
 
@@ -79,11 +94,14 @@ def run(cfg: Config) -> dict:
     out_dir = Path(cfg.output_dir)
     spec, tokenizer = build_spec(cfg, out_dir)
     group, metrics = train(spec, cfg, out_dir)
-    card = common.model_card("rm", cfg, metrics, "Reward model: Llama with a one-logit sequence-classification head, "
-                             "trained with a pairwise Bradley-Terry loss. Reward = logit at the last non-pad token.")
+    where = "the logit at the last non-pad token" if cfg.pooling == "last" else \
+        f"the per-token logits {'summed' if cfg.pooling == 'response_sum' else 'averaged'} over the response tokens"
+    card = common.model_card("rm", cfg, metrics, f"Reward model: the sft model with a one-logit head, trained with a pairwise "
+                             f"Bradley-Terry loss. Reward = {where} (`reward_stats.json` has the pooling and the normalisation).")
     model_dir = save_final_model(group, out_dir, tokenizer, card)
     # what the rl stage uses to normalise rewards from this model
-    (model_dir / "reward_stats.json").write_text(json.dumps({"mean": metrics["eval/reward_mean"], "std": metrics["eval/reward_std"]}, indent=2))
+    (model_dir / "reward_stats.json").write_text(json.dumps({"mean": metrics["eval/reward_mean"], "std": metrics["eval/reward_std"],
+                                                             "pooling": cfg.pooling}, indent=2))
     common.finish(out_dir, "rm", cfg, metrics)
     return metrics
 

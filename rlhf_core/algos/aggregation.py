@@ -25,6 +25,19 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
+def pool_response(scores: Tensor, response_mask: Tensor, mode: str) -> Tensor:
+    """A token-level reward model's sequence score: per-token scores `(B, T)` summed
+    (`response_sum`) or averaged (`response_mean`) over the response tokens (`response_mask`
+    `(B, T)`, 1 on response tokens at their own positions).  Returns `(B,)`.
+
+    e.g. scores [[1, 2, 3]], mask [[0, 1, 1]]: sum 5, mean 2.5."""
+    if mode == "response_sum":
+        return masked_sum(scores, response_mask, dim=-1)
+    if mode == "response_mean":
+        return masked_mean(scores, response_mask, dim=-1)
+    raise ValueError(f"unknown pooling {mode!r}: response_sum | response_mean")
+
+
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     """Variance of the masked entries of `x` (scalar); Bessel-corrected when `unbiased`."""
     mean = masked_mean(x, mask)

@@ -1,6 +1,6 @@
 """`rlhf serve-reward`: a reward model behind HTTP (stdlib server, 127.0.0.1 by default).
 
-POST /score  {"prompts": [...], "responses": [...], "labels": [...], "token_ids": [[...], ...]}
+POST /score  {"prompts": [...], "responses": [...], "labels": [...], "token_ids": [[...], ...], "prompt_lens": [...]}
           -> {"rewards": [...]}
 GET  /health -> {"status": "ok", "model": PATH}
 
@@ -53,10 +53,13 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_
                     raise ValueError(f"need equal-length prompts/responses, at most {max_batch}")
                 ids = req.get("token_ids") or [tokenizer(p).input_ids + tokenizer(r, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
                                                for p, r in zip(prompts, responses)]
+                # where the response starts (token-level reward models pool over it): given, or
+                # the length of the tokenized prompt
+                plens = req.get("prompt_lens") or [len(tokenizer(p).input_ids) for p in prompts]
             except (ValueError, KeyError, TypeError) as e:
                 return self._send(400, {"error": f"bad request: {e}"})
             with lock:
-                values, _, _ = model([{"token_ids": x} for x in ids])
+                values, _, _ = model([{"token_ids": x, "prompt_len": n} for x, n in zip(ids, plens)])
             self._send(200, {"rewards": values})
 
         def log_message(self, fmt, *args):

@@ -92,29 +92,42 @@ class FunctionReward:
 
 
 class ModelReward:
-    """The rm stage's model, scoring the exact token ids of each sample (no re-tokenization)."""
+    """The rm stage's model, scoring the exact token ids of each sample (no re-tokenization).
+    `reward_stats.json` beside it gives the pooling (`last`, or a token-level model's
+    `response_sum`/`response_mean` over the tokens after each sample's `prompt_len`) and the
+    mean/std the scores are normalised by."""
 
     def __init__(self, path: str, pad_token_id: int, normalize: bool = True, trust_remote_code: bool = False):
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
+        stats_path = Path(path) / "reward_stats.json"
+        stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+        self.pooling = stats.get("pooling", "last")
+        cls = AutoModelForSequenceClassification if self.pooling == "last" else AutoModelForTokenClassification
+        self.model = cls.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = pad_token_id
         self.pad = self.model.config.pad_token_id
-        stats = Path(path) / "reward_stats.json"
         self.mean, self.std = (0.0, 1.0)
-        if normalize and stats.exists():
-            s = json.loads(stats.read_text())
-            self.mean, self.std = float(s["mean"]), max(float(s["std"]), 1e-6)
+        if normalize and stats:
+            self.mean, self.std = float(stats["mean"]), max(float(stats["std"]), 1e-6)
         self.name = f"reward_model {path}"
 
     @torch.no_grad()
     def __call__(self, samples: list[dict]):
+        from rlhf_core.algos.aggregation import pool_response
+
         seqs = [s["token_ids"] for s in samples]
         width = max(len(x) for x in seqs)
         ids = torch.tensor([x + [self.pad] * (width - len(x)) for x in seqs])
         mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
         scores = self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
+        if self.pooling != "last":
+            if any("prompt_len" not in s for s in samples):
+                raise RewardError(f"{self.name} pools over the response ({self.pooling}): every sample needs its prompt_len")
+            starts = torch.tensor([s["prompt_len"] for s in samples]).unsqueeze(1)
+            response = (torch.arange(width).unsqueeze(0) >= starts) & mask.bool()
+            scores = pool_response(scores, response.float(), self.pooling)
         return _validate(self.name, ((scores - self.mean) / self.std).tolist(), len(samples))
 
 
@@ -125,7 +138,8 @@ class HttpReward:
 
     def __call__(self, samples: list[dict]):
         body = json.dumps({"prompts": [s["prompt"] for s in samples], "responses": [s["response"] for s in samples],
-                           "labels": [s["label"] for s in samples], "token_ids": [s["token_ids"] for s in samples]}).encode()
+                           "labels": [s["label"] for s in samples], "token_ids": [s["token_ids"] for s in samples],
+                           **({"prompt_lens": [s["prompt_len"] for s in samples]} if all("prompt_len" in s for s in samples) else {})}).encode()
         last = None
         for attempt in range(self.retries + 1):
             if attempt:

@@ -58,3 +58,15 @@ def test_masked_stats():
     w = masked_whiten(x, m)
     assert w[:3].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
     assert w[3].item() == 0.0
+
+
+@pytest.mark.unit
+def test_pool_response_hand_values_and_nan_outside_the_mask():
+    from rlhf_core.algos.aggregation import pool_response
+
+    scores = torch.tensor([[1.0, 2.0, 3.0], [float("nan"), 4.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    assert pool_response(scores, mask, "response_sum").tolist() == [5.0, 4.0]  # the prompt's NaN stays out
+    assert pool_response(scores, mask, "response_mean").tolist() == [2.5, 4.0]
+    with pytest.raises(ValueError):
+        pool_response(scores, mask, "last")

@@ -238,6 +238,38 @@ def test_reward_model_served_over_http(tiny):
         srv.shutdown()
 
 
+def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(tiny):
+    """A `response_sum` reward model: the score is the sum of its per-token logits after prompt_len."""
+    import json
+
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    from rlhf_core.rollout.reward_server import make_server
+
+    path, tok = tiny
+    rm_dir = path.parent / "rm_tokens"
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1)
+    model.save_pretrained(rm_dir)
+    tok.save_pretrained(rm_dir)
+    (rm_dir / "reward_stats.json").write_text(json.dumps({"mean": 0.0, "std": 1.0, "pooling": "response_sum"}))
+    ids = [[1, 5, 6, 7, 2], [1, 5, 6, 8]]
+    samples = [{"prompt": "p", "response": "r", "label": "l", "token_ids": x, "prompt_len": 3} for x in ids]
+    local, _, why = R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)(samples)
+    with torch.no_grad():
+        per_token = [model(input_ids=torch.tensor([x])).logits[0, :, 0] for x in ids]
+    assert local == pytest.approx([float(per_token[0][3:].sum()), float(per_token[1][3:].sum())], abs=1e-5) and why == [None, None]
+    with pytest.raises(R.RewardError, match="prompt_len"):
+        R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)([{"token_ids": ids[0]}])
+    srv = make_server(str(rm_dir), port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        remote, _, _ = R.HttpReward(f"http://127.0.0.1:{srv.server_address[1]}/score")(samples)
+        assert remote == pytest.approx(local, abs=1e-5)
+    finally:
+        srv.shutdown()
+
+
 def test_user_environment_file(tmp_path):
     from rlhf_core.rollout.agents import load_environment
 
