@@ -271,6 +271,9 @@ def main():
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--carry", action="store_true")
     ap.add_argument("--operands", type=int, default=2)
+    ap.add_argument("--ops", default="+-")
+    ap.add_argument("--slip", default="none")
+    ap.add_argument("--slip-rate", type=float, default=0.75)
     ap.add_argument("--max-value", type=int, default=99)
     ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--hidden", type=int, default=256)
@@ -306,7 +309,8 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = TaskConfig(allow_carry=a.carry, sft_wrong_fraction=a.sft_wrong, num_operands=a.operands, max_value=a.max_value)
+    cfg = TaskConfig(allow_carry=a.carry, sft_wrong_fraction=a.sft_wrong, num_operands=a.operands, max_value=a.max_value,
+                     operations=tuple(a.ops), sft_slip=a.slip, sft_slip_rate=a.slip_rate)
     splits = generate_task(cfg, a.data_seed)
     held = {r["prompt"][3:-4] for n in ("eval", "eval_pref") for r in splits[n]}
     rng = random.Random(a.seed)

@@ -1,6 +1,6 @@
 """The `rlhf` command.
 
-  rlhf prepare [--set k=v ...]            task data in data/ + tiny base model in artifacts/base/
+  rlhf prepare [--set k=v ...]            task data + pretraining corpus in data/, tiny base model in artifacts/base/
   rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head);
                                           --detach: submit to RAY_ADDRESS and exit
   rlhf pipeline run [--stages ...]        the Prefect flow over the DVC DAG (unchanged stages skipped)
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stage = sub.add_parser("stage", help="run pipeline stages").add_subparsers(dest="stage_command", required=True)
     p = with_config(stage.add_parser("run", help="run one stage as a Ray job; resumes from its last checkpoint"))
-    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
+    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
     p.add_argument("--detach", action="store_true",
                    help="with RAY_ADDRESS: submit, print the job id and how to follow it, and exit; the job runs on "
                         "(without it, the job is stopped when this command ends or dies)")
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pipeline = sub.add_parser("pipeline", help="the Prefect flow over the DVC pipeline").add_subparsers(dest="pipeline_command", required=True)
     p = pipeline.add_parser("run", help="run alignment-pipeline now: each stage via `dvc repro -s` (unchanged ones skipped), then the promotion gate")
-    p.add_argument("--stages", help="comma-separated subset, e.g. rl (default: prepare,sft,rm,dpo,rl)")
+    p.add_argument("--stages", help="comma-separated subset, e.g. rl@rlvr (default: prepare,pretrain,sft,rm,dpo,rl@rlhf,rl@rlvr)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="param override, written into params.yaml")
     p.add_argument("--repo", default=".", help="project directory (default: .)")
     p.add_argument("--margin", type=float, default=0.0, help="promotion: accept if eval/accuracy >= champion - margin")
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     p = with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))
-    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}")
+    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
     p.set_defaults(func=cmd_config_show)
 
     data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,14 @@ class TaskConfig:
     """SFT demonstrations (prompt, response)."""
     sft_wrong_fraction: float = 0.1
     """Fraction of SFT responses that are deliberately wrong, so later stages have something to fix."""
+    sft_slip: Literal["none", "reversed"] = "reversed"
+    """A systematic annotator slip in the sft demonstrations (the tiny analogue of InstructGPT's
+    premise: people compare answers better than they write them).  `reversed`: for problems with
+    `sft_slip_op`, a fraction `sft_slip_rate` of the demonstrations write the answer's digits in
+    reverse (`45-21=42` shown as ` 42` -> ` 24`).  SFT imitates it; the preference pairs, the
+    verifier and the pretraining corpus do not carry it, so RL (and DPO) have something to fix."""
+    sft_slip_op: str = "-"
+    sft_slip_rate: float = 0.75
     num_pref: int = 3000
     """Preference pairs (prompt, chosen = correct, rejected = plausible wrong)."""
     num_rl: int = 2000
@@ -45,8 +54,8 @@ class TaskConfig:
             raise ValueError(f"operations must be a non-empty subset of {sorted(OPS)}, got {list(self.operations)}")
         if self.max_value < 1 or self.num_operands < 2:
             raise ValueError("max_value must be >= 1 and num_operands >= 2")
-        if not 0.0 <= self.sft_wrong_fraction <= 1.0:
-            raise ValueError("sft_wrong_fraction must be in [0, 1]")
+        if not 0.0 <= self.sft_wrong_fraction <= 1.0 or not 0.0 <= self.sft_slip_rate <= 1.0:
+            raise ValueError("sft_wrong_fraction and sft_slip_rate must be in [0, 1]")
 
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -153,15 +162,13 @@ def generate_task(cfg: TaskConfig, seed: int) -> dict[str, list[dict]]:
     n_wrong = round(cfg.num_sft * cfg.sft_wrong_fraction)
     sft = _unique_problems(rng, cfg, cfg.num_sft, exclude=eval_exprs)
     wrong_idx = set(rng.sample(range(cfg.num_sft), n_wrong))
-    splits["sft"] = [
-        {
-            "id": f"sft-{i:06d}",
-            "prompt": format_prompt(expr),
-            "response": format_response(answer_text(cfg, plausible_wrong(rng, ans, cfg.allow_negative) if i in wrong_idx else ans)),
-            "correct": i not in wrong_idx,
-        }
-        for i, (expr, ans) in enumerate(sft)
-    ]
+    splits["sft"] = []
+    for i, (expr, ans) in enumerate(sft):
+        answer = answer_text(cfg, ans)
+        shown = answer_text(cfg, plausible_wrong(rng, ans, cfg.allow_negative)) if i in wrong_idx else answer
+        if i not in wrong_idx and cfg.sft_slip == "reversed" and cfg.sft_slip_op in expr[1:] and rng.random() < cfg.sft_slip_rate:
+            shown = answer[::-1]
+        splits["sft"].append({"id": f"sft-{i:06d}", "prompt": format_prompt(expr), "response": format_response(shown), "correct": shown == answer})
     splits["pref"] = [
         {"id": f"pref-{i:06d}", "prompt": format_prompt(expr), "chosen": format_response(answer_text(cfg, ans)),
          "rejected": format_response(answer_text(cfg, plausible_wrong(rng, ans, cfg.allow_negative)))}

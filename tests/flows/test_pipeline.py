@@ -19,11 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
 TINY_PARAMS = {
     "prepare": {"seed": 0, "task": {k.split(".")[-1]: int(v) for k, v in (s.split("=") for s in SMALL_TASK)}},
+    "pretrain": {"max_steps": 4, "save_steps": 2, "global_batch_size": 8, "max_len": 64, "eval_max_new_tokens": 4},
     "sft": {"max_steps": 4, "save_steps": 2, "global_batch_size": 16, "eval_max_new_tokens": 4},
-    "rm": {"max_steps": 2, "global_batch_size": 16},
+    "rm": {"max_steps": 2, "global_batch_size": 16, "pooling": "response_sum"},
     "dpo": {"max_steps": 2, "global_batch_size": 16, "eval_max_new_tokens": 4},
     "rl": {"max_steps": 2, "prompts_per_step": 4, "n_samples": 4, "global_batch_size": 16, "engine": "hf", "pass_k": 1,
            "sync_check_prompts": 0, "max_new_tokens": 4, "eval_max_new_tokens": 4},
+    "rl_variants": {"rlhf": {"algo": "ppo", "reward_model": "artifacts/rm/model"}, "rlvr": {"algo": "grpo"}},
 }
 
 
@@ -98,12 +100,16 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
         run = sh(sys.executable, "-m", "prefect", "deployment", "run", "alignment-pipeline/full", "--watch", cwd=root, env={**env, **api}, timeout=1200)
         log = (root / "serve.log").read_text()
         assert run.returncode == 0, run.stdout[-3000:] + log[-6000:]
-        for stage in ("sft", "rm", "dpo", "rl"):
+        for stage in ("pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr"):
             manifest = json.loads((root / "artifacts" / stage / "manifest.json").read_text())
             assert manifest["run_ids"].get("prefect_flow_run_id") and manifest["run_ids"].get("prefect_task_run_id"), stage
             assert manifest["run_ids"].get("ray_job_id"), stage
         champion = json.loads((root / "artifacts" / "champion" / "champion.json").read_text())
-        assert champion["source"] == "artifacts/rl" and (root / "artifacts" / "champion" / "model" / "model.safetensors").exists()
+        best = max(("sft", "dpo", "rl@rlhf", "rl@rlvr"), key=lambda st: json.loads((root / "artifacts" / st / "metrics.json").read_text())["eval/accuracy"])
+        assert champion["source"] in {f"artifacts/{st}" for st in ("sft", "dpo", "rl@rlhf", "rl@rlvr")}, champion
+        assert json.loads((root / "artifacts" / champion["source"] / "metrics.json").read_text())["eval/accuracy"] == \
+            json.loads((root / "artifacts" / best / "metrics.json").read_text())["eval/accuracy"]  # the best candidate by gold accuracy
+        assert (root / "artifacts" / "champion" / "model" / "model.safetensors").exists()
         assert sh("dvc", "status", cwd=root, env=env).stdout.strip().endswith("up to date.")
         assert list((root / ".dvc" / "remote").rglob("*")), "outputs pushed to the local DVC remote"
         nightly = sh(sys.executable, "-m", "prefect", "deployment", "inspect", "alignment-pipeline/nightly", cwd=root, env={**env, **api})
@@ -119,30 +125,35 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
     assert all(v["ran"] is False for v in result["stages"].values() if v), result
     assert result["promotion"]["decision"] == "unchanged"
 
-    # a changed rl param reruns only rl (its checkpoints resume/restart; upstream untouched)
+    # a changed param of one RL variant reruns only that variant (upstream and the other untouched)
     sft_lock = (root / "artifacts" / "sft" / "manifest.json").read_text()
-    one = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", "--set", "rl.max_steps=3", "--margin", "1.0", cwd=root, env=flow)
+    rlhf_manifest = (root / "artifacts" / "rl@rlhf" / "manifest.json").read_text()
+    one = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", "--set", "rl_variants.rlvr.max_steps=3", "--margin", "1.0",
+               cwd=root, env=flow)
     assert one.returncode == 0, one.stderr[-3000:]
     result = json.loads(one.stdout[one.stdout.index("{"):])
-    assert result["stages"]["rl"]["ran"] is True and result["promotion"]["decision"] == "promoted"
+    assert result["stages"]["rl@rlvr"]["ran"] is True and result["promotion"]["decision"] in ("promoted", "unchanged")
     assert (root / "artifacts" / "sft" / "manifest.json").read_text() == sft_lock
-    assert json.loads((root / "artifacts" / "rl" / "metrics.json").read_text())["train/steps"] == 3
-    assert sh("dvc", "params", "diff", cwd=root, env=env).stdout.count("rl.max_steps") == 1
+    assert (root / "artifacts" / "rl@rlhf" / "manifest.json").read_text() == rlhf_manifest
+    assert json.loads((root / "artifacts" / "rl@rlvr" / "metrics.json").read_text())["train/steps"] == 3
+    assert sh("dvc", "params", "diff", cwd=root, env=env).stdout.count("rl_variants.rlvr.max_steps") == 1
+    history = [json.loads(x) for x in (root / "artifacts" / "rl@rlhf" / "train_history.jsonl").read_text().splitlines()]
+    assert all("train/reward_gold" in r and "train/reward_proxy" in r for r in history)  # the over-optimisation curve
 
     # the gate refuses a candidate worse than the champion by more than the margin
     pointer = root / "artifacts" / "champion" / "champion.json"
     pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "eval/accuracy": 2.0, "manifest_sha256": "x"}))
-    refused = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", cwd=root, env=flow)
+    refused = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", cwd=root, env=flow)
     assert refused.returncode == 0
     assert json.loads(refused.stdout[refused.stdout.index("{"):])["promotion"]["decision"] == "refused"
     decisions = [json.loads(x) for x in (root / "artifacts" / "champion" / "decisions.jsonl").read_text().splitlines()]
-    assert [d["decision"] for d in decisions] == ["promoted", "unchanged", "promoted", "refused"]
+    assert [d["decision"] for d in decisions][:2] == ["promoted", "unchanged"] and decisions[-1]["decision"] == "refused"
     assert "champion kept" in decisions[-1]["reason"]
 
     # a failing stage fails the run and the command
-    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl", "--set", "rl.reward_file=missing_reward.py", "--retries", "0",
+    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", "--set", "rl.reward_file=missing_reward.py", "--retries", "0",
                cwd=root, env=flow)
-    assert bad.returncode == 1 and "stage rl failed" in bad.stderr
+    assert bad.returncode == 1 and "stage rl@rlvr failed" in bad.stderr
 
     # lineage of the promoted chain verifies against dvc.lock
     ok = rlhf("lineage", "verify", "artifacts/dpo/model", cwd=root, env=env)
@@ -170,7 +181,7 @@ def test_second_pipeline_run_on_a_repo_is_refused(tmp_path):
 def ensure_sft(root: Path, env: dict) -> int:
     """The repo's sft steps so far; builds sft first when this test runs before the served one (xdist)."""
     if not (root / "artifacts" / "sft" / "model").exists():
-        first = rlhf("pipeline", "run", "--repo", str(root), "--stages", "prepare,sft", "--no-promote", "--no-push", cwd=root, env=env)
+        first = rlhf("pipeline", "run", "--repo", str(root), "--stages", "prepare,pretrain,sft", "--no-promote", "--no-push", cwd=root, env=env)
         assert first.returncode == 0, first.stderr[-3000:]
     return json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"]
 
