@@ -180,7 +180,9 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
     unknown = set(stages or []) - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stages {sorted(unknown)}; valid: {STAGES}")
-    with repo_lock(root):
+    from rlhf_core.runtime.cluster import shared_head
+
+    with repo_lock(root), shared_head():  # one Ray head for every stage of the run
         apply_overrides(root, overrides or [])
         if push:
             ensure_remote(root)

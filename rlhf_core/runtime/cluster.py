@@ -139,3 +139,19 @@ def job_server():
         return
     with LocalRayHead() as head:
         yield head.job_address
+
+
+@contextlib.contextmanager
+def shared_head():
+    """For a run of several stages (the pipeline flow): one embedded head for all of them, its
+    address in `RAY_ADDRESS` so every `rlhf stage run` submits to it instead of starting its own
+    (each start costs ~10 s of a 2-core machine).  With `RAY_ADDRESS` already set, nothing to do."""
+    if cluster_job_address():
+        yield os.environ["RAY_ADDRESS"]
+        return
+    with LocalRayHead() as head:
+        os.environ["RAY_ADDRESS"] = head.job_address
+        try:
+            yield head.job_address
+        finally:
+            os.environ.pop("RAY_ADDRESS", None)
