@@ -103,8 +103,8 @@ def _messages_problem(row: dict, max_chars: int) -> str | None:
         problem = _text_problem(m, "content", max_chars)
         if problem:
             return f"messages[{i}]: {problem}"
-    if not any(m["role"] == "assistant" for m in msgs):
-        return "'messages' has no assistant turn to learn from"
+    if msgs[-1]["role"] != "assistant":  # the last turn is the response; the ones before it, the prompt
+        return "no assistant turn at the end of 'messages' to learn from (the last turn is the response)"
     return None
 
 

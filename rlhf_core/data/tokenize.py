@@ -9,12 +9,22 @@ class TooLong(ValueError):
     pass
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, with the generation prompt.
+    A plain list whatever the transformers version: since 5.x `apply_chat_template(tokenize=True)`
+    returns a BatchEncoding by default, and `prompt + response` on one raised TypeError."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("rows use chat 'messages' but the tokenizer has no chat template; give prompt,response rows or a tokenizer with one")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(out, "keys"):  # a version that ignores return_dict=False
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
 def prompt_ids(tokenizer, row: dict) -> list[int]:
     """Prompt token ids; chat rows (`messages`) go through the tokenizer's chat template."""
     if "messages" in row and "prompt" not in row:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("rows use chat 'messages' but the tokenizer has no chat template; give prompt,response rows or a tokenizer with one")
-        return tokenizer.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, tokenize=True)
+        return chat_ids(tokenizer, row["messages"][:-1])
     return tokenizer(row["prompt"]).input_ids
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict
 from rlhf_core.data.io import DataError, load_rows
-from rlhf_core.data.tokenize import pad_batch, prompt_ids, prompt_response, tokenize_rows
+from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.engine import check_model_path
@@ -35,7 +35,7 @@ def prompt_formatter(tokenizer, use_chat_template: bool):
     if use_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("use_chat_template is set but the tokenizer has no chat template")
     if use_chat_template:
-        return lambda row: tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=True)
+        return lambda row: chat_ids(tokenizer, [{"role": "user", "content": row["prompt"]}]) if "prompt" in row else prompt_ids(tokenizer, row)
     return lambda row: prompt_ids(tokenizer, row)
 
 
