@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(BIN)/pip uninstall -q -y $(BROKEN_EXTRAS) 2>/dev/null || true
 	touch $(STAMP)
 
-# the main job: the tiny pipeline, prepare -> sft -> rm, dpo -> rl (unchanged stages are skipped)
+# the main job: the tiny pipeline as the Prefect flow over the DVC DAG, prepare -> pretrain -> sft
+# -> rm, dpo -> rl@rlhf, rl@rlvr, then the promotion gate (unchanged stages are skipped)
 run: setup
-	$(BIN)/dvc repro
+	$(BIN)/rlhf pipeline run
 	$(BIN)/dvc metrics show
 
 # two pytest workers (three overloaded the 2 cores: slower, and Ray heads lost nodes);

@@ -300,6 +300,8 @@ def main():
     ap.add_argument("--rm-head-init", action="store_true")
     ap.add_argument("--rm-pool", default="last")
     ap.add_argument("--save-sft", default="")
+    ap.add_argument("--rm-from-base", action="store_true")
+    ap.add_argument("--num-pref", type=int, default=3000)
     ap.add_argument("--load-sft", default="")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--curve", type=int, default=0)
@@ -310,7 +312,7 @@ def main():
     torch.set_num_threads(a.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TaskConfig(allow_carry=a.carry, sft_wrong_fraction=a.sft_wrong, num_operands=a.operands, max_value=a.max_value,
-                     operations=tuple(a.ops), sft_slip=a.slip, sft_slip_rate=a.slip_rate)
+                     operations=tuple(a.ops), sft_slip=a.slip, sft_slip_rate=a.slip_rate, num_pref=a.num_pref)
     splits = generate_task(cfg, a.data_seed)
     held = {r["prompt"][3:-4] for n in ("eval", "eval_pref") for r in splits[n]}
     rng = random.Random(a.seed)
@@ -329,6 +331,9 @@ def main():
         res.update(pretrain(model, tok, docs, a, dev, rng))
         res["acc_base"] = greedy_acc(model, tok, splits["eval"], dev)
         res["diag_base"] = diagnostics(model, tok, splits["eval"], dev)
+        if a.rm_from_base:
+            import copy
+            base_model = copy.deepcopy(model)
     res.update(sft(model, tok, splits["sft"], a, dev, rng, splits["eval"]))
     res["acc_sft"] = greedy_acc(model, tok, splits["eval"], dev)
     if a.save_sft:
@@ -346,7 +351,7 @@ def main():
         rand.append({"prompt": r["prompt"], "chosen": " " + r["label"], "rejected": " " + answer_text(cfg, x)})
     res["sft_logprob_rank"] = logprob_rank(model, tok, near[:100], dev)
     if a.rm_steps:
-        res.update(train_rm(model, tok, splits["pref"], {"near": near, "random": rand}, a, dev, rng))
+        res.update(train_rm(base_model if a.rm_from_base else model, tok, splits["pref"], {"near": near, "random": rand}, a, dev, rng))
     print(json.dumps(res), flush=True)
 
 

@@ -94,6 +94,10 @@ def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict, extra_inp
     """metrics.json + manifest.json (checkpoints/ excluded: they carry their own checksums).
     `extra_inputs`: further files/dirs the result depends on (reward model, reward/agent code)."""
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    history = out_dir / "train_history.jsonl"
+    if history.exists():  # `dvc plots` reads JSON (a list of rows), not JSON lines
+        rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+        (out_dir / "train_history.json").write_text(json.dumps(rows))
     records = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p and Path(p).exists()]
     inputs = list({r["path"]: r for r in records}.values())  # train and eval data often share one artifact
     write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,
