@@ -5,14 +5,24 @@ Layout under `checkpoints/`:
     state.json            counters, data position, controller states ...
     CHECKSUMS.json        sha256 of every file above, written last
   latest                  text: the name of the newest complete checkpoint
+and beside it, outside the checkpoint directory:
+  checkpoint_hashes.json  {step_N: {file: sha256}} of every complete checkpoint: the trusted record
 
-Protocol: everything is written into `.tmp-step_N/`, fsynced, CHECKSUMS written, the dir renamed
-to `step_N/`, and only then is `latest` replaced (tmp file + rename).  Old checkpoints are deleted
-after that.  A crash at any point leaves the previous checkpoint and `latest` intact; stale
-`.tmp-*` dirs are removed at the next start.  Loading re-hashes the files; a corrupt or truncated
-checkpoint is skipped with a warning in favour of the newest complete one, and so is one that
-verifies but fails to load (`CheckpointLoadError`, naming it and why; `loop.load_resumable`).
-Only the holder of the output directory's lock (`runtime/stage_lock.py`) reads or writes them.
+Protocol: everything is written into `.tmp-step_N/`, fsynced, CHECKSUMS written, the step's hashes
+added to `checkpoint_hashes.json` (tmp file + fsync + rename), the dir renamed to `step_N/`, and
+only then is `latest` replaced (tmp file + rename).  Old checkpoints (and their records) are
+deleted after that.  A crash at any point leaves the previous checkpoint, its record and `latest`
+intact; stale `.tmp-*` dirs are removed at the next start.
+
+Loading re-hashes the files against both CHECKSUMS.json (a torn or corrupt write) and the record
+outside the directory, before anything is unpickled: DeepSpeed engine states load with
+`torch.load(weights_only=False)`, so a checkpoint is code.  A checkpoint directory that is not in
+the record (dropped in, copied from elsewhere, written by other code) or whose files differ from
+it (replaced, CHECKSUMS resealed) is refused.  Trust boundary: docs/reliability.md ("checkpoints
+are code").  An unusable checkpoint is skipped with a warning in favour of the newest complete one,
+and so is one that verifies but fails to load (`CheckpointLoadError`, naming it and why;
+`loop.load_resumable`).  Only the holder of the output directory's lock (`runtime/stage_lock.py`)
+reads or writes them.
 """
 from __future__ import annotations
 
@@ -27,6 +37,8 @@ from rlhf_core.artifacts.manifest import hash_tree
 log = logging.getLogger("rlhf.checkpoint")
 CHECKSUMS = "CHECKSUMS.json"
 LATEST = "latest"
+RECORD = "checkpoint_hashes.json"
+"""Beside `checkpoints/` (in the stage's output dir, so the stage manifest covers it)."""
 
 
 def step_name(step: int) -> str:
@@ -50,6 +62,41 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(d)
 
 
+def record_path(ckpt_dir: Path) -> Path:
+    return Path(ckpt_dir).parent / RECORD
+
+
+def read_record(ckpt_dir: Path) -> dict:
+    """{step_N: {file: sha256}} of the complete checkpoints (empty when there is none)."""
+    path = record_path(ckpt_dir)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError:
+        log.warning("%s is unreadable: no checkpoint beside it is trusted", path)
+        return {}
+
+
+def _write_record(ckpt_dir: Path, record: dict) -> None:
+    """Replace the record atomically (tmp file + fsync + rename)."""
+    path = record_path(ckpt_dir)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def reset(ckpt_dir: Path) -> None:
+    """Remove every checkpoint and the record (a run that starts over)."""
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    record_path(ckpt_dir).unlink(missing_ok=True)
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+
+
 def clean_stale(ckpt_dir: Path) -> None:
     """Remove half-written `.tmp-*` checkpoints left by a crash."""
     for tmp in Path(ckpt_dir).glob(".tmp-*"):
@@ -69,9 +116,13 @@ def commit(ckpt_dir: Path, tmp: Path, step: int, state: dict, keep: int) -> Path
     """Seal `tmp` (state.json + CHECKSUMS), rename it into place, move `latest`, rotate."""
     ckpt_dir = Path(ckpt_dir)
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-    (tmp / CHECKSUMS).write_text(json.dumps(hash_tree(tmp, exclude=(CHECKSUMS,)), indent=2, sort_keys=True))
+    files = hash_tree(tmp, exclude=(CHECKSUMS,))
+    (tmp / CHECKSUMS).write_text(json.dumps(files, indent=2, sort_keys=True))
     _fsync_tree(tmp)
     final = ckpt_dir / step_name(step)
+    # recorded before the rename: a complete checkpoint always has its record (a record without
+    # its directory, after a crash in between, is harmless and pruned by the next commit)
+    _write_record(ckpt_dir, {**read_record(ckpt_dir), final.name: files})
     if final.exists():  # a re-save of the same step (e.g. after a resume) replaces it
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -85,11 +136,15 @@ def commit(ckpt_dir: Path, tmp: Path, step: int, state: dict, keep: int) -> Path
     _fsync_dir(ckpt_dir)
     for old in sorted(ckpt_dir.glob("step_*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+    present = {p.name for p in ckpt_dir.glob("step_*")}
+    _write_record(ckpt_dir, {k: v for k, v in read_record(ckpt_dir).items() if k in present})
     return final
 
 
-def verify(path: Path) -> list[str]:
-    """Problems with one checkpoint dir (empty = complete and intact)."""
+def verify(path: Path, trusted: dict | None = None) -> list[str]:
+    """Problems with one checkpoint dir (empty = complete and intact): its files against its
+    CHECKSUMS.json and, when `trusted` (the record's entry for it, from outside the directory) is
+    given, against that too -- a file not in the record is a problem, since it would be loaded."""
     path = Path(path)
     sums = path / CHECKSUMS
     if not sums.is_file():
@@ -101,6 +156,11 @@ def verify(path: Path) -> list[str]:
     actual = hash_tree(path, exclude=(CHECKSUMS,))
     problems = [f"{path / f}: missing" for f in sorted(set(recorded) - set(actual))]
     problems += [f"{path / f}: sha256 mismatch" for f in sorted(set(recorded) & set(actual)) if recorded[f] != actual[f]]
+    if trusted is not None and not problems:
+        problems += [f"{path / f}: not in {RECORD}" for f in sorted(set(actual) - set(trusted))]
+        problems += [f"{path / f}: missing" for f in sorted(set(trusted) - set(actual))]
+        problems += [f"{path / f}: sha256 differs from {RECORD} (replaced after it was written)"
+                     for f in sorted(set(trusted) & set(actual)) if trusted[f] != actual[f]]
     return problems
 
 
@@ -139,8 +199,12 @@ def iter_resumable(ckpt_dir: Path):
     if pointer.is_file():
         named = ckpt_dir / pointer.read_text().strip()
         candidates = [named] + [c for c in candidates if c != named]
+    record = read_record(ckpt_dir)
     for cand in candidates:
-        problems = verify(cand)
+        if cand.name in record:
+            problems = verify(cand, record[cand.name])
+        else:  # never unpickle what this pipeline did not record writing
+            problems = [f"{cand}: not in {record_path(ckpt_dir)} (not written by this output dir's runs: refusing to load it)"]
         if not problems:
             yield cand, json.loads((cand / "state.json").read_text())
         else:

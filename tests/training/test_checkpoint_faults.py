@@ -26,7 +26,14 @@ def assert_previous_intact(ckpt_dir):
     assert not list(ckpt_dir.glob(".tmp-*"))
 
 
-def test_disk_full_while_sealing(tmp_path, monkeypatch):
+@pytest.fixture
+def ckpts(tmp_path):
+    """A stage's checkpoints/ dir (its hash record lives beside it, in the stage dir)."""
+    return tmp_path / "checkpoints"
+
+
+def test_disk_full_while_sealing(ckpts, monkeypatch):
+    tmp_path = ckpts
     complete(tmp_path, 1)
 
     def full(root):
@@ -41,7 +48,8 @@ def test_disk_full_while_sealing(tmp_path, monkeypatch):
     assert_previous_intact(tmp_path)
 
 
-def test_sigkill_while_writing(tmp_path):
+def test_sigkill_while_writing(ckpts):
+    tmp_path = ckpts
     script = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
@@ -59,7 +67,8 @@ def test_sigkill_while_writing(tmp_path):
     assert_previous_intact(tmp_path)
 
 
-def test_truncated_newest_checkpoint_falls_back(tmp_path):
+def test_truncated_newest_checkpoint_falls_back(ckpts):
+    tmp_path = ckpts
     complete(tmp_path, 1)
     complete(tmp_path, 2, b"x" * 1000)
     with open(tmp_path / "step_000002" / "engine.bin", "r+b") as f:
@@ -67,3 +76,56 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path):
     path, _ = ckpt.find_resumable(tmp_path)
     assert path.name == "step_000001"
     assert "sha256 mismatch" in ckpt.verify(tmp_path / "step_000002")[0]
+
+
+# --- checkpoints are code: hashes recorded outside the checkpoint dir (issue 16, item 8) ------------
+
+
+def reseal(ckpt):
+    """What an attacker who can write the checkpoint would do: recompute its CHECKSUMS.json."""
+    import json
+
+    from rlhf_core.artifacts.manifest import hash_tree
+
+    (ckpt / "CHECKSUMS.json").write_text(json.dumps(hash_tree(ckpt, exclude=("CHECKSUMS.json",))))
+
+
+def test_a_replaced_checkpoint_with_resealed_checksums_is_not_loaded(ckpts):
+    """DeepSpeed unpickles engine states (`weights_only=False`): CHECKSUMS.json inside the dir
+    catches a torn write, not a replaced file.  The record beside checkpoints/ does."""
+    import json
+    import shutil
+
+    complete(ckpts, 1)
+    complete(ckpts, 2, b"good weights")
+    record = json.loads((ckpts.parent / "checkpoint_hashes.json").read_text())
+    assert sorted(record) == ["step_000001", "step_000002"]
+    assert record["step_000002"] == json.loads((ckpts / "step_000002" / "CHECKSUMS.json").read_text())
+
+    (ckpts / "step_000002" / "engine.bin").write_bytes(b"a pickle that runs code")
+    reseal(ckpts / "step_000002")
+    assert ckpt.verify(ckpts / "step_000002") == []  # self-consistent: the old check passed it
+    assert "sha256 differs from checkpoint_hashes.json" in ckpt.verify(ckpts / "step_000002", record["step_000002"])[0]
+    path, _ = ckpt.find_resumable(ckpts)
+    assert path.name == "step_000001"
+
+    # a checkpoint dropped in (copied from elsewhere, written by other code) is not in the record
+    shutil.copytree(ckpts / "step_000001", ckpts / "step_000009")
+    (ckpts / "latest").write_text("step_000009")
+    path, _ = ckpt.find_resumable(ckpts)
+    assert path.name == "step_000001"
+    # an extra file slipped into a recorded checkpoint would be loaded too: refused
+    (ckpts / "step_000001" / "extra.pt").write_bytes(b"x")
+    reseal(ckpts / "step_000001")
+    assert ckpt.find_resumable(ckpts) is None
+
+
+def test_the_record_follows_rotation_and_a_restart(ckpts):
+    import json
+
+    for step in (1, 2, 3):
+        complete(ckpts, step)  # keep=2
+    record = json.loads((ckpts.parent / "checkpoint_hashes.json").read_text())
+    assert sorted(record) == ["step_000002", "step_000003"] and ckpt.find_resumable(ckpts)[0].name == "step_000003"
+    ckpt.reset(ckpts)  # a run that starts over
+    assert not (ckpts.parent / "checkpoint_hashes.json").exists() and ckpts.is_dir() and not list(ckpts.iterdir())
