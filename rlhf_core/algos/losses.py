@@ -18,9 +18,16 @@ from .aggregation import aggregate, masked_mean
 MAX_LOG_RATIO = 20.0
 
 
-def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log softmax(logits)[labels]: logits `(B, T, V)`, labels `(B, T)` -> `(B, T)` (fp32)."""
+def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[labels]: logits `(B, T, V)`, labels `(B, T)` -> `(B, T)` (fp32).
+
+    With `temperature` the log-prob under the distribution an engine samples from at that
+    temperature (the behaviour policy of an RL step): the trainer's log-probs, the engine's and
+    the PPO ratio between them all refer to one distribution.  Example: logits [0, 2 ln 2] at
+    temperature 2 are [0, ln 2] -> probabilities [1/3, 2/3]: token 1 has log-prob ln(2/3)."""
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.gather(logits.log_softmax(-1), -1, labels.unsqueeze(-1)).squeeze(-1)
 
 
@@ -126,6 +133,14 @@ def gspo_policy_loss(
 
 
 POLICY_LOSSES = {"ppo": ppo_policy_loss, "gspo": gspo_policy_loss}
+
+# Each policy loss's own defaults (its paper's): what a trainer uses for a setting the user left
+# unset.  PPO's ±0.2 token-ratio clip would clip nothing of GSPO's sequence ratio, whose paper
+# clips to [1 - 3e-4, 1 + 4e-4] and averages per sequence.
+POLICY_LOSS_DEFAULTS = {
+    "ppo": {"clip_low": 0.2, "clip_high": 0.2, "agg_mode": "token-mean"},
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "agg_mode": "seq-mean-token-mean"},
+}
 
 
 # --- importance sampling between rollout engine and trainer ------------------------------

@@ -25,7 +25,8 @@ SCHEMA = pa.schema([
 ])
 """`reward` = combined reward from the sources; `score` = reward after penalties (what the baseline
 sees); `kl` = summed per-token KL to the reference; `filter` = "kept" | "invalid" |
-"zero_variance_group" (DAPO dynamic sampling); `reward_components` = JSON {source: value}."""
+"zero_variance_group" | "surplus" (DAPO dynamic sampling: a kept group beyond the step's batch);
+`reward_components` = JSON {source: value}."""
 
 
 def _f(v):

@@ -12,12 +12,13 @@ actions stay exactly the token ids the engine sampled (never re-tokenized), and 
 
 Single-turn RLHF is `SingleTurn`: one action, no environment reward (the reward sources score
 it).  `RetryArithmetic` is the multi-turn example: a wrong answer gets feedback and another try.
-A user environment is a Python file defining `class Environment` (see `load_environment`).
+A user environment is a Python file defining `class Environment` (see `load_environment`); it
+runs in a child process of its own (`env_host.EnvironmentProcess`), where a call past
+`env_timeout` is ended by killing that process.  The built-ins run in-process (`LocalEnvironments`).
 """
 from __future__ import annotations
 
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,23 +99,46 @@ class Episode:
     actions: list[str] = field(default_factory=list)
 
 
-def _call(pool: ThreadPoolExecutor, timeout: float, fn, *args):
-    """User code with a deadline: a hung environment becomes an error, never a hung run."""
-    try:
-        return pool.submit(fn, *args).result(timeout=timeout)
-    except FutureTimeout:
-        raise TimeoutError(f"environment call {getattr(fn, '__qualname__', fn)} took longer than {timeout}s") from None
+class LocalEnvironments:
+    """The built-in environments (this package's code, which does not block), in this process:
+    `new(n)`, then `reset(i, prompt, label)` / `step(i, action)` on the i-th."""
+
+    def __init__(self, env_cls):
+        self.env_cls, self.envs = env_cls, []
+
+    def new(self, n: int) -> None:
+        self.envs = [self.env_cls() for _ in range(n)]
+
+    def reset(self, i: int, prompt: str, label: str) -> str:
+        return self.envs[i].reset(prompt, label)
+
+    def step(self, i: int, action: str) -> Step:
+        return self.envs[i].step(action)
+
+    def close(self) -> None:
+        self.envs = []
 
 
-def run_episodes(engine, tokenizer, env_cls, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int,
-                 temperature: float, max_len: int, max_turns: int = 8, env_timeout: float = 30.0) -> list[Episode]:
-    """Play one episode per (prompt, label, seed), all turns batched through the engine."""
+def environments(agent: str, agent_file: str | None, timeout: float):
+    """Where the episodes' environments run: a user's file in a child process whose calls are
+    bounded by `timeout` seconds (`env_host`), a built-in in this process."""
+    load_environment(agent, agent_file)  # a missing file or class is an error now, in the caller
+    if agent_file:
+        from rlhf_core.rollout.env_host import EnvironmentProcess
+
+        return EnvironmentProcess(agent, agent_file, timeout)
+    return LocalEnvironments(BUILTIN[agent])
+
+
+def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int,
+                 temperature: float, max_len: int, max_turns: int = 8) -> list[Episode]:
+    """Play one episode per (prompt, label, seed), all turns batched through the engine; `envs`
+    from `environments` (a fresh environment per episode)."""
     eos = tokenizer.eos_token_id
-    pool = ThreadPoolExecutor(max_workers=1)
-    envs = [env_cls() for _ in prompts]
+    envs.new(len(prompts))
     episodes = []
-    for env, prompt, label in zip(envs, prompts, labels):
-        ids = tokenizer(_call(pool, env_timeout, env.reset, prompt, label)).input_ids
+    for i, (prompt, label) in enumerate(zip(prompts, labels)):
+        ids = tokenizer(envs.reset(i, prompt, label)).input_ids
         episodes.append(Episode(prompt_len=len(ids), token_ids=list(ids)))
     active = list(range(len(episodes)))
     for turn in range(max_turns):
@@ -138,7 +162,7 @@ def run_episodes(engine, tokenizer, env_cls, prompts: list[str], labels: list[st
             action = tokenizer.decode([t for t in out.token_ids if t != eos], skip_special_tokens=True)
             ep.last_action = action
             ep.actions.append(action)
-            step = _call(pool, env_timeout, envs[i].step, action)
+            step = envs.step(i, action)
             if step.reward is not None:
                 ep.env_reward = float(step.reward)
             if step.done or out.finish_reason == "length":
@@ -152,5 +176,4 @@ def run_episodes(engine, tokenizer, env_cls, prompts: list[str], labels: list[st
             ep.engine_logprobs += [0.0] * len(fb)
             still.append(i)
         active = still
-    pool.shutdown(wait=False, cancel_futures=True)
     return episodes

@@ -22,9 +22,26 @@ import torch
 class Completion:
     token_ids: list[int]
     logprobs: list[float]
-    """log-prob of each sampled token under the engine's own numerics (what TIS corrects)."""
+    """log-prob of each sampled token under the engine's own numerics (what TIS corrects), of the
+    distribution it sampled from: the tempered one, softmax(logits / temperature)."""
     finish_reason: str
     """"stop" (EOS) or "length" (hit max_tokens: truncated)."""
+
+
+def vllm_completion(output) -> Completion:
+    """A vLLM `CompletionOutput` (requested with `logprobs=0`) as a Completion.  Every sampled
+    token must come with its log-prob: a missing one is an error, never a 0.0 (which would read
+    as probability 1 and silently bias the importance weights)."""
+    ids = list(output.token_ids)
+    if output.logprobs is None or len(output.logprobs) != len(ids):
+        got = "none" if output.logprobs is None else f"{len(output.logprobs)} for {len(ids)} tokens"
+        raise RuntimeError(f"vLLM returned no log-prob for every sampled token ({got}); the rollout's engine log-probs would be wrong")
+    lps = []
+    for step, tok in zip(output.logprobs, ids):
+        if tok not in step:
+            raise RuntimeError(f"vLLM's log-probs lack the sampled token {tok}")
+        lps.append(float(step[tok].logprob))
+    return Completion(ids, lps, "length" if output.finish_reason == "length" else "stop")
 
 
 def _reload_weights(worker, items) -> None:
@@ -43,6 +60,9 @@ class VLLMEngine:
         self.sleep_enabled = enable_sleep_mode
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=True, seed=seed, enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code,
+                       # log-probs of the distribution sampled from (after temperature), as the
+                       # trainer computes them; the default, raw logits, ignores the temperature
+                       logprobs_mode="processed_logprobs",
                        # no chunked prefill: a prompt split over two steps makes vLLM rewind the
                        # request's seeded generator, which CPU generators cannot do
                        # ("CPU Generator does not use offset"); seeded sampling is what exact resume needs
@@ -53,13 +73,7 @@ class VLLMEngine:
 
         params = [SamplingParams(max_tokens=m, temperature=temperature, seed=s, logprobs=0) for m, s in zip(max_tokens, seeds)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        result = []
-        for out in outs:
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            lps = [float(step[tok].logprob) for step, tok in zip(o.logprobs, ids)] if o.logprobs else [0.0] * len(ids)
-            result.append(Completion(ids, lps, "length" if o.finish_reason == "length" else "stop"))
-        return result
+        return [vllm_completion(out.outputs[0]) for out in outs]
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc(_reload_weights, args=(named_tensors,))
@@ -102,7 +116,8 @@ class HFEngine:
                 else:
                     tok = int(torch.multinomial(torch.softmax(logp / temperature, -1), 1, generator=gen))
                 tokens.append(tok)
-                lps.append(float(logp[tok]) if temperature in (0.0, 1.0) else float(torch.log_softmax(logp / temperature, -1)[tok]))
+                # the tempered distribution's log-prob (the one sampled from), as vLLM's processed log-probs
+                lps.append(float(logp[tok]) if temperature in (0.0, 1.0) else float(torch.log_softmax(res.logits[0, -1].float() / temperature, -1)[tok]))
                 ids = torch.cat([ids, torch.tensor([[tok]])], 1)
                 if tok == self.eos:
                     reason = "stop"

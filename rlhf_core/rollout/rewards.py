@@ -9,8 +9,8 @@ A source maps a batch of samples to one float per sample, plus named components:
   * `HttpReward`: POST to a reward server (`rlhf serve-reward`), with a timeout, bounded retries
     and exponential backoff, and an error that names the URL.
 
-`combine` weights the sources.  A source that raises, returns None/NaN or the wrong number of
-values marks the affected samples *invalid* (NaN score + a reason); the stage counts them and
+`combine` weights the sources.  A source that raises, returns None/NaN (as a reward or as any
+component) or the wrong number of values marks the affected samples *invalid* (NaN score + a reason); the stage counts them and
 aborts the step above a threshold.  Nothing is ever silently turned into 0.0.
 """
 from __future__ import annotations
@@ -59,9 +59,18 @@ def _validate(name: str, out, n: int) -> tuple[list[float], dict[str, list[float
         values.append(f)
         reasons.append(None if math.isfinite(f) else f"{name} returned {v!r}")
     for key, comp in components.items():
-        if len(comp) != n:
-            raise RewardError(f"{name}: component {key!r} has {len(comp)} values for {n} samples")
-        components[key] = [float(c) if c is not None else math.nan for c in comp]
+        if comp is None or not hasattr(comp, "__len__") or len(comp) != n:
+            raise RewardError(f"{name}: component {key!r} is not a list of {n} values")
+        floats = []
+        for i, c in enumerate(comp):
+            try:
+                f = float(c)
+            except (TypeError, ValueError):
+                f = math.nan
+            floats.append(f)
+            if not math.isfinite(f) and reasons[i] is None:  # a broken component is a broken reward for that sample
+                reasons[i] = f"{name} component {key!r} returned {c!r}"
+        components[key] = floats
     return values, components, reasons
 
 
@@ -132,9 +141,26 @@ class ModelReward:
 
 
 class HttpReward:
+    """`user:password@` in the URL is sent as HTTP basic auth; names and errors show the URL with
+    its credentials redacted (they end up in logs and in the rollouts' invalid reasons)."""
+
     def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5):
+        import base64
+        from urllib.parse import unquote, urlsplit, urlunsplit
+
+        from rlhf_core.config import redact_url
+
+        self.shown = redact_url(url)
+        parts = urlsplit(url)
+        self.headers = {"Content-Type": "application/json"}
+        if "@" in parts.netloc:
+            userinfo, host = parts.netloc.rsplit("@", 1)
+            user, _, password = userinfo.partition(":")
+            token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
+            self.headers["Authorization"] = f"Basic {token}"
+            url = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
-        self.name = f"reward_url {url}"
+        self.name = f"reward_url {self.shown}"
 
     def __call__(self, samples: list[dict]):
         body = json.dumps({"prompts": [s["prompt"] for s in samples], "responses": [s["response"] for s in samples],
@@ -145,7 +171,7 @@ class HttpReward:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+                req = urllib.request.Request(self.url, data=body, headers=self.headers)
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                     return _validate(self.name, json.loads(resp.read()), len(samples))
             except RewardError:
@@ -156,7 +182,7 @@ class HttpReward:
                     break
             except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        raise RewardError(f"reward server {self.url} failed after {attempt + 1} attempt(s): {last}")
+        raise RewardError(f"reward server {self.shown} failed after {attempt + 1} attempt(s): {last}")
 
 
 def combine(results: dict[str, tuple], weights: dict[str, float], n: int) -> tuple[list[float], dict[str, list[float]], list[str | None]]:

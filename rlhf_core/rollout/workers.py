@@ -23,7 +23,7 @@ class RolloutWorker(PeakMemory):
                  trust_remote_code: bool = False, threads: int = 1):
         from transformers import AutoTokenizer
 
-        from rlhf_core.rollout.agents import load_environment
+        from rlhf_core.rollout.agents import environments
         from rlhf_core.rollout.engines import ENGINES
 
         torch.set_num_threads(max(1, threads))
@@ -31,8 +31,8 @@ class RolloutWorker(PeakMemory):
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                       enable_sleep_mode=sleep, trust_remote_code=trust_remote_code) if engine == "vllm" else \
             ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)
-        self.env_cls = load_environment(agent, agent_file)
-        self.max_len, self.env_timeout, self.max_turns = max_len, env_timeout, max_turns
+        self.envs = environments(agent, agent_file, env_timeout)  # a user's file: in a process of its own, killed on a timeout
+        self.max_len, self.max_turns = max_len, max_turns
         self.version = 0
 
     def rollout(self, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int, temperature: float) -> list[dict]:
@@ -42,8 +42,8 @@ class RolloutWorker(PeakMemory):
         from rlhf_core.rollout.agents import run_episodes
 
         faults.hang("rollout")
-        episodes = run_episodes(self.engine, self.tokenizer, self.env_cls, prompts, labels, seeds, max_new_tokens, temperature,
-                                self.max_len, self.max_turns, self.env_timeout)
+        episodes = run_episodes(self.engine, self.tokenizer, self.envs, prompts, labels, seeds, max_new_tokens, temperature,
+                                self.max_len, self.max_turns)
         out = []
         for ep in episodes:
             d = asdict(ep)

@@ -5,7 +5,8 @@ RLHF_FAULT holds one fault:
   kill_worker_at_step:K  the driver kills training worker 0 (`ray.kill`) while step K runs
   nan_loss               every training step's loss becomes NaN (inside the workers)
   hang:POINT             the actor call at POINT never returns: `reward` (RewardWorker.score),
-                         `rollout` (RolloutWorker.rollout) or `sync` (RolloutWorker.update_weights)
+                         `rollout` (RolloutWorker.rollout), `sync` (RolloutWorker.update_weights) or
+                         `train_step` (TrainWorker.train_step)
   sigkill_at:POINT       the process SIGKILLs itself at POINT (`promotion`: between copying the new
                          champion and switching to it)
   slow_steps:S           every optimizer step of a training worker takes S seconds longer (sft, rm, dpo,

@@ -49,6 +49,7 @@ class TrainWorker(PeakMemory):
     def train_step(self, batch: dict, loss_fn, counts: dict) -> dict:
         """One optimizer step on this rank's shard.  If any rank's loss is non-finite, every
         rank skips backward and the update (no collective is left half done)."""
+        faults.hang("train_step")
         self.engine.train()
         # bf16 matmuls over fp32 weights and optimizer state (CPUs with AMX and GPUs run them
         # several times faster); the loss functions upcast logits to fp32 themselves

@@ -7,6 +7,7 @@ writes the final model.  Exactness of resume rests on: a data order that is a pu
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -60,15 +61,21 @@ class StageSpec:
     before_train: Callable[["WorkerGroup"], None] | None = None
     """Runs once the workers hold the *starting* weights, before any checkpoint is loaded
     (DPO computes its reference log-probs here)."""
+    upstream: tuple[str, ...] = ()
+    """Further inputs the training depends on besides `cfg.model_path` and the training data (rl:
+    the reward model, reward file, agent file): a checkpoint built from others is not resumed."""
 
 
 class WorkerGroup:
     """N TrainWorker actors in one placement group (PACK: one bundle per worker).
 
     `share` < 1 lets other roles use the rest of each bundle (the RL colocated layout passes the
-    policy group's `pg` to its critic and to the rollout/reference/reward actors)."""
+    policy group's `pg` to its critic and to the rollout/reference/reward actors).  `timeout`
+    bounds every call and training step, in seconds (rl: `rl.rollout_timeout`): a wedged worker
+    becomes a `TimeoutError` naming the call, never a hung job."""
 
-    def __init__(self, spec: StageSpec, cfg: TrainConfig, share: float = 1.0, pg=None, model_kind: str | None = None):
+    def __init__(self, spec: StageSpec, cfg: TrainConfig, share: float = 1.0, pg=None, model_kind: str | None = None,
+                 timeout: float = 3600.0, name: str = "training", timeout_setting: str = ""):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -87,21 +94,27 @@ class WorkerGroup:
                 r, cfg.num_workers, port, spec.model_path, model_kind or spec.model_kind, cfg, spec.pad_token_id)
             for r in range(cfg.num_workers)
         ]
+        self.timeout, self.name, self.timeout_setting = timeout, name, timeout_setting
         self.call("state_fingerprint")  # surfaces construction errors now, not mid-step
         self.zero3 = cfg.zero_stage == 3
 
-    def call(self, method: str, *args, timeout: float = 3600) -> list:
+    def _get(self, refs, what: str):
         import ray
 
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=timeout)
+        try:
+            return ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            setting = f"{self.timeout_setting}={self.timeout:g}s" if self.timeout_setting else f"{self.timeout:g}s"
+            raise TimeoutError(f"{self.name} {what} took longer than {setting}") from None
 
-    def call_rank0(self, method: str, *args, timeout: float = 3600):
+    def call(self, method: str, *args) -> list:
+        return self._get([getattr(w, method).remote(*args) for w in self.workers], method)
+
+    def call_rank0(self, method: str, *args):
         """Rank 0's result; under ZeRO-3 every rank must take part in the forward."""
-        import ray
-
         if self.zero3:
-            return self.call(method, *args, timeout=timeout)[0]
-        return ray.get(getattr(self.workers[0], method).remote(*args), timeout=timeout)
+            return self.call(method, *args)[0]
+        return self._get(getattr(self.workers[0], method).remote(*args), method)
 
     def train_step(self, examples: list[dict], collate, loss_fn, counts: dict, step: int = 0) -> list[dict]:
         import ray
@@ -110,7 +123,7 @@ class WorkerGroup:
         refs = [w.train_step.remote(collate(examples[r::n]), loss_fn, counts) for r, w in enumerate(self.workers)]
         faults.kill_worker_during(step, self.workers[0])
         try:
-            return ray.get(refs)
+            return self._get(refs, f"train step {step}")
         except ray.exceptions.RayActorError as e:  # OOM kill, node loss, a crashed DeepSpeed rank
             raise RuntimeError(f"a training worker died during step {step}: the stage stops; its checkpoints are complete ones "
                                f"and a rerun resumes from the newest ({type(e).__name__}: {str(e).splitlines()[0]})") from e
@@ -120,12 +133,50 @@ class WorkerGroup:
 RESUMABLE_CHANGES = {"max_steps": 1, "save_steps": 1, "eval_steps": 0, "log_steps": 1, "resume": True, "keep_checkpoints": 1}
 
 
-def resume_key(cfg: TrainConfig) -> str:
+def upstream_digest(path: str) -> str:
+    """sha256 of what `path` is now: an artifact of this pipeline by its manifest's hash (which
+    changes whenever its stage reran), other files/dirs by their content, a hub id by its name."""
+    from rlhf_core.artifacts.manifest import input_record
+
+    record = {"hub_id": path} if not Path(path).exists() else {k: v for k, v in input_record(path).items() if k != "path"}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def resume_inputs(cfg: TrainConfig, spec: StageSpec) -> dict:
+    """Everything a checkpoint was built from, stored in it: the config (less the settings a
+    resume may change), the training data (`data_fingerprint`) and every upstream artifact
+    (`model_path` and `spec.upstream`, by content).  A checkpoint resumes only when all match."""
     from dataclasses import replace
 
     from rlhf_core.config import config_hash
 
-    return config_hash(replace(cfg, **RESUMABLE_CHANGES))
+    paths = [p for p in (cfg.model_path, *spec.upstream) if p]
+    return {"config": config_hash(replace(cfg, **RESUMABLE_CHANGES)), "data": spec.data_fingerprint,
+            "upstream": {p: upstream_digest(p) for p in paths}}
+
+
+def resume_key(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def changed_inputs(old: dict | None, new: dict) -> list[str]:
+    """Why a checkpoint built from `old` inputs is not a continuation of a run on `new` ones."""
+    if not old:
+        return ["it predates input tracking (no resume_inputs in its state)"]
+    why = []
+    if old.get("config") != new["config"]:
+        why.append("the config changed (only max_steps, save/eval/log steps, keep_checkpoints may change for a resume)")
+    if old.get("data") != new["data"]:
+        why.append("the training data changed")
+    before, now = old.get("upstream", {}), new["upstream"]
+    for p in sorted(set(before) | set(now)):
+        if p not in now:
+            why.append(f"{p} is no longer an input")
+        elif p not in before:
+            why.append(f"{p} is a new input")
+        elif before[p] != now[p]:
+            why.append(f"upstream {p} changed (its stage reran, or it was replaced)")
+    return why or ["its inputs differ"]
 
 
 def save_checkpoint(groups: list[tuple[WorkerGroup, str]], ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
@@ -147,29 +198,27 @@ def trim_history(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in rows))
 
 
-def resume_point(ckpt_dir: Path, cfg: TrainConfig, spec: StageSpec, key: str) -> tuple[Path, dict] | None:
-    """The checkpoint to resume from, None for a fresh start, or ResumeError if resuming would
-    train nothing or skip/replay data.  Nothing is read before this process holds the output
-    directory's lock (`stage_main` took it already; a direct caller takes it here)."""
+def resume_point(ckpt_dir: Path, cfg: TrainConfig, spec: StageSpec, inputs: dict) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from, or None for a fresh start.  A checkpoint resumes only when
+    config, training data and upstream artifacts (`resume_inputs`) are those it was built from;
+    otherwise the run starts over, saying why (a nightly run after new data or a retrained
+    upstream stage, an interrupted run whose parent changed since).  ResumeError if it is this
+    run's and there is nothing left to train.  Nothing is read before this process holds the
+    output directory's lock (`stage_main` took it already; a direct caller takes it here)."""
     stage_lock.acquire(ckpt_dir.parent, spec.name)
     if not cfg.resume:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        ckpt.reset(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt.clean_stale(ckpt_dir)
     found = ckpt.find_resumable(ckpt_dir)
-    if found and found[1].get("resume_key") != key:
-        # a different experiment (lr, model, ...), not a continuation: start over
-        log.warning("config changed since %s was written (only max_steps/save/eval/log settings may change "
-                    "for a resume): starting over", found[0].name)
-        shutil.rmtree(ckpt_dir)
-        ckpt_dir.mkdir(parents=True)
+    if found and found[1].get("resume_key") != resume_key(inputs):
+        log.warning("not resuming from %s: %s; starting over (its checkpoints are removed)", found[0].name,
+                    "; ".join(changed_inputs(found[1].get("resume_inputs"), inputs)))
+        ckpt.reset(ckpt_dir)
         return None
     if found and found[1]["step"] >= cfg.max_steps:
         raise ResumeError(f"{found[0]} is at step {found[1]['step']} >= max_steps={cfg.max_steps}: nothing to train. "
                           f"Raise {spec.name}.max_steps, or --set {spec.name}.resume=false to start over.")
-    if found and found[1]["data_fingerprint"] != spec.data_fingerprint:
-        raise ResumeError(f"{found[0]} was trained on different data (fingerprint changed): resuming would skip or replay "
-                          f"samples. --set {spec.name}.resume=false to start over.")
     return found
 
 
@@ -207,8 +256,9 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     if Path(spec.model_path).exists():
         spec.model_path = str(Path(spec.model_path).resolve())
     ckpt_dir = out_dir / "checkpoints"
-    key = resume_key(cfg)
-    found = resume_point(ckpt_dir, cfg, spec, key)
+    inputs = resume_inputs(cfg, spec)
+    key = resume_key(inputs)
+    found = resume_point(ckpt_dir, cfg, spec, inputs)
 
     group = WorkerGroup(spec, cfg)
     if spec.before_train:
@@ -219,7 +269,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
         log.info("resumed from %s (step %d, %d samples consumed)", path.name, state["step"], state["consumed"])
     else:
         state = {"step": 0, "consumed": 0, "nan_skipped": 0, "data_fingerprint": spec.data_fingerprint, "resume_key": key,
-                 "init_metrics": {}, **spec.extra_state}
+                 "resume_inputs": inputs, "init_metrics": {}, **spec.extra_state}
         state["init_metrics"] = {k + "_init": v for k, v in spec.evaluate(group).items()}
         log.info("before training: %s", state["init_metrics"])
 

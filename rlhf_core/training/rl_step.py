@@ -86,10 +86,11 @@ def _slices(t: torch.Tensor, batch: dict) -> list[list[float]]:
 # --- run inside the workers (pickled by reference) -----------------------------------------
 
 
-def logprobs_fn(model, batch) -> list[list[float]]:
-    """Each sample's response-token log-probs under `model` (old / reference log-probs)."""
+def logprobs_fn(model, batch, temperature: float = 1.0) -> list[list[float]]:
+    """Each sample's response-token log-probs under `model` at the sampling `temperature` (old /
+    reference log-probs): the distribution the engine sampled from, whose log-probs it reports."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    return _slices(token_logprobs(logits, batch["input_ids"][:, 1:]), batch)
+    return _slices(token_logprobs(logits, batch["input_ids"][:, 1:], temperature), batch)
 
 
 def values_fn(model, batch) -> list[list[float]]:
@@ -100,11 +101,15 @@ def values_fn(model, batch) -> list[list[float]]:
 
 def policy_loss_fn(model, batch, counts, loss_type: str, clip_low: float, clip_high: float, dual_clip: float | None, agg_mode: str,
                    norm_len: int, kl_loss_coef: float, kl_estimator: str, entropy_coef: float, is_correction: str | None,
-                   is_low: float, is_high: float):
+                   is_low: float, is_high: float, temperature: float = 1.0):
     """Policy-gradient loss (ppo/gspo surrogate) + optional KL-to-reference loss term + entropy
-    bonus.  Aggregated with the *global* token/sequence counts of the mini-batch, so the ranks'
-    losses sum to the single-process loss."""
+    bonus, all on the policy at the sampling `temperature` (logits / T: the distribution the
+    rollouts came from, so the ratio to the old and engine log-probs is on-policy at step start).
+    Aggregated with the *global* token/sequence counts of the mini-batch, so the ranks' losses
+    sum to the single-process loss."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature  # once, for the log-probs and the entropy alike
     lp = token_logprobs(logits, batch["input_ids"][:, 1:])
     mask = batch["action_mask"]
     agg = dict(agg_mode=agg_mode, num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=norm_len)

@@ -18,6 +18,14 @@ def test_token_logprobs_and_entropy():
     assert entropy_from_logits(logits).item() == pytest.approx(math.log(4))
 
 
+def test_token_logprobs_at_a_temperature():
+    """logits [0, 2 ln 2] at temperature 2 are [0, ln 2]: probabilities [1/3, 2/3]."""
+    logits = torch.tensor([[[0.0, 2 * math.log(2)]]])
+    assert token_logprobs(logits, torch.tensor([[1]]), temperature=2.0).item() == pytest.approx(math.log(2 / 3))
+    assert token_logprobs(logits, torch.tensor([[0]]), temperature=2.0).item() == pytest.approx(math.log(1 / 3))
+    assert token_logprobs(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(4 / 5))  # T = 1: [1, 4] / 5
+
+
 def test_ppo_clip_hand_values():
     # ratio 1.5 with A=+1 clips at 1+0.2 -> loss -1.2; ratio 0.5 with A=-1 clips at 0.8 -> loss 0.8
     lp = torch.log(torch.tensor([[1.5, 0.5]]))

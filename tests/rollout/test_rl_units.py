@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlhf_core.rollout import rewards as R
-from rlhf_core.rollout.agents import RetryArithmetic, SingleTurn, Step, run_episodes
+from rlhf_core.rollout.agents import LocalEnvironments, RetryArithmetic, environments, run_episodes
+from rlhf_core.rollout.engines import Completion
 from rlhf_core.training import rl_step
 
 pytestmark = pytest.mark.unit
@@ -61,6 +62,36 @@ def test_reward_validation_never_turns_bad_values_into_zero():
         R._validate("f", {"scores": [1]}, 1)
     v, comps, _ = R._validate("f", {"rewards": [1, 2], "components": {"fmt": [0.5, 0.5]}}, 2)
     assert v == [1.0, 2.0] and comps == {"fmt": [0.5, 0.5]}
+
+
+def test_a_nan_reward_component_makes_its_sample_invalid():
+    """A component is part of the reward's output: NaN/None/garbage there is a broken reward for
+    that sample, not a number to log (it used to pass unchecked)."""
+    out = {"rewards": [1.0, 1.0, 1.0], "components": {"fmt": [0.5, float("nan"), None], "len": [1, 2, "x"]}}
+    v, comps, why = R._validate("f", out, 3)
+    assert v == [1.0, 1.0, 1.0] and why[0] is None
+    assert why[1] == "f component 'fmt' returned nan" and why[2] == "f component 'fmt' returned None"
+    assert comps["fmt"][0] == 0.5 and math.isnan(comps["len"][2])
+    with pytest.raises(R.RewardError, match="component 'fmt' is not a list of 2 values"):
+        R._validate("f", {"rewards": [1, 2], "components": {"fmt": 0.5}}, 2)
+
+
+def test_vllm_output_without_logprobs_is_an_error_not_zero():
+    """vLLM's CompletionOutput as `VLLMEngine.generate` reads it (the engine cannot be made to drop
+    log-probs on demand): a missing log-prob used to become 0.0, i.e. probability 1."""
+    from types import SimpleNamespace
+
+    from rlhf_core.rollout.engines import vllm_completion
+
+    lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731
+    ok = vllm_completion(SimpleNamespace(token_ids=[5, 6], logprobs=[{5: lp(-0.1)}, {6: lp(-0.2), 9: lp(-3.0)}], finish_reason="length"))
+    assert (ok.token_ids, ok.logprobs, ok.finish_reason) == ([5, 6], [-0.1, -0.2], "length")
+    with pytest.raises(RuntimeError, match=r"no log-prob for every sampled token \(none\)"):
+        vllm_completion(SimpleNamespace(token_ids=[5, 6], logprobs=None, finish_reason="stop"))
+    with pytest.raises(RuntimeError, match=r"\(1 for 2 tokens\)"):
+        vllm_completion(SimpleNamespace(token_ids=[5, 6], logprobs=[{5: lp(-0.1)}], finish_reason="stop"))
+    with pytest.raises(RuntimeError, match="lack the sampled token 6"):
+        vllm_completion(SimpleNamespace(token_ids=[5, 6], logprobs=[{5: lp(-0.1)}, {7: lp(-0.1)}], finish_reason="stop"))
 
 
 def test_reward_file_loading_errors(tmp_path):
@@ -130,36 +161,93 @@ def tiny(tmp_path_factory):
     return out, AutoTokenizer.from_pretrained(out)
 
 
+class ScriptedEngine:
+    """Answers every turn with " 7" + EOS.  The runner's bookkeeping must hold for any tokens; a
+    real engine cannot be made to end its turns (a random tiny model hardly ever samples EOS, so
+    its episodes end at the token budget after one turn and a masking check on them is vacuous)."""
+
+    def __init__(self, tok):
+        self.ids = tok(" 7", add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+    def generate(self, prompts, max_tokens, temperature, seeds):
+        return [Completion(self.ids[:m], [-0.5] * len(self.ids[:m]), "stop" if m >= len(self.ids) else "length") for m in max_tokens]
+
+
 def test_multi_turn_episode_masks_environment_tokens(tiny):
+    """Every turn is wrong: three turns, and exactly the two feedback blocks are masked out."""
+    _, tok = tiny
+    engine = ScriptedEngine(tok)
+    eps = run_episodes(engine, tok, LocalEnvironments(RetryArithmetic), ["Q: 12+30= A:"] * 2, ["42"] * 2, [1, 2], max_new_tokens=3,
+                       temperature=1.0, max_len=64)
+    act, fb = engine.ids, tok(" wrong, try again. A:", add_special_tokens=False).input_ids
+    prompt = tok("Q: 12+30= A:").input_ids
+    for ep in eps:
+        assert (ep.turns, ep.env_reward, ep.finish_reason) == (3, 0.0, "stop")
+        assert ep.token_ids == prompt + act + fb + act + fb + act and ep.prompt_len == len(prompt)
+        assert ep.action_mask == [1] * len(act) + [0] * len(fb) + [1] * len(act) + [0] * len(fb) + [1] * len(act)
+        assert ep.engine_logprobs == [-0.5 if m else 0.0 for m in ep.action_mask]  # feedback tokens carry no engine log-prob
+
+
+def test_episodes_are_a_function_of_weights_prompts_and_seeds(tiny):
     from rlhf_core.rollout.engines import HFEngine
 
     path, tok = tiny
     engine = HFEngine(str(path), max_model_len=64, seed=0)
-    eps = run_episodes(engine, tok, RetryArithmetic, ["Q: 12+30= A:"] * 2, ["42"] * 2, [1, 2], max_new_tokens=3, temperature=1.0, max_len=64)
-    fb = tok(" wrong, try again. A:", add_special_tokens=False).input_ids
-    for ep in eps:
-        assert ep.turns >= 1 and len(ep.action_mask) == len(ep.token_ids) - ep.prompt_len == len(ep.engine_logprobs)
-        if ep.turns > 1 and ep.env_reward == 0.0 or ep.turns == 3:
-            # the first feedback block sits right after the first action and is masked out
-            first = ep.action_mask.index(0)
-            assert ep.token_ids[ep.prompt_len + first: ep.prompt_len + first + len(fb)] == fb
-            assert ep.action_mask[first: first + len(fb)] == [0] * len(fb)
-    # same seeds -> same episodes (a rollout is a function of weights, prompts and seeds)
-    again = run_episodes(engine, tok, RetryArithmetic, ["Q: 12+30= A:"] * 2, ["42"] * 2, [1, 2], max_new_tokens=3, temperature=1.0, max_len=64)
-    assert [e.token_ids for e in eps] == [e.token_ids for e in again]
+    run = lambda: run_episodes(engine, tok, LocalEnvironments(RetryArithmetic), ["Q: 12+30= A:"] * 2, ["42"] * 2, [1, 2],  # noqa: E731
+                               max_new_tokens=3, temperature=1.0, max_len=64)
+    first = run()
+    assert all(len(e.action_mask) == len(e.token_ids) - e.prompt_len == len(e.engine_logprobs) for e in first)
+    assert [e.token_ids for e in first] == [e.token_ids for e in run()]
 
 
-def test_hung_environment_times_out(tiny):
+def test_hung_environment_times_out_and_stops_running(tiny, tmp_path):
+    """A user environment whose step never returns: the call is an error after env_timeout, and it
+    does not run on afterwards (a thread could not be stopped: it kept writing its heartbeat)."""
+    import os
+    import time
+
+    beat = tmp_path / "heartbeat"
+    env_file = tmp_path / "hung_env.py"
+    env_file.write_text("import time\nclass Environment:\n    def reset(self, prompt, label):\n        return prompt\n"
+                        f"    def step(self, action):\n        while True:\n            open({str(beat)!r}, 'a').write('.')\n"
+                        "            time.sleep(0.05)\n")
+    path, tok = tiny
+    envs = environments("single_turn", str(env_file), timeout=1.0)
+    with pytest.raises(TimeoutError, match=r"environment call step took longer than 1.0s \(env_timeout\); its process was killed"):
+        run_episodes(ScriptedEngine(tok), tok, envs, ["Q: 1+1= A:"], ["2"], [0], 2, 1.0, 64)
+    size = beat.stat().st_size
+    assert size > 0  # it did run, and hang
+    time.sleep(0.5)
+    assert beat.stat().st_size == size and envs.proc is None
+    # the next batch gets a fresh process; a raising environment is an error naming the call
+    env_file.write_text("class Environment:\n    def reset(self, prompt, label):\n        print('noise on stdout')\n        return prompt\n"
+                        "    def step(self, action):\n        raise KeyError('boom')\n")
+    envs = environments("single_turn", str(env_file), timeout=5.0)
+    with pytest.raises(RuntimeError, match="environment call step raised KeyError: 'boom'"):
+        run_episodes(ScriptedEngine(tok), tok, envs, ["Q: 1+1= A:"], ["2"], [0], 2, 1.0, 64)
+    pid = envs.proc.pid
+    envs.close()
+    assert envs.proc is None and not os.path.exists(f"/proc/{pid}")  # killed and reaped
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.5])
+def test_trainer_logprobs_are_the_engines_at_the_sampling_temperature(tiny, temperature):
+    """The engine reports the log-prob of the distribution it sampled from, softmax(logits / T);
+    the trainer's old/reference log-probs must be of the same one (they ignored T: at T != 1 the
+    PPO ratio started off-policy and the TIS weights were biased)."""
+    from transformers import AutoModelForCausalLM
+
     from rlhf_core.rollout.engines import HFEngine
 
-    class Hung(SingleTurn):
-        def step(self, action):
-            threading.Event().wait(5)
-            return Step()
-
     path, tok = tiny
-    with pytest.raises(TimeoutError, match="took longer than 0.5s"):
-        run_episodes(HFEngine(str(path), max_model_len=64, seed=0), tok, Hung, ["Q: 1+1= A:"], ["2"], [0], 2, 1.0, 64, env_timeout=0.5)
+    prompt = tok("Q: 12+30= A:").input_ids
+    out = HFEngine(str(path), max_model_len=64, seed=0).generate([prompt], [6], temperature, [7])[0]
+    sample = {"token_ids": prompt + out.token_ids, "prompt_len": len(prompt), "action_mask": [1] * len(out.token_ids)}
+    batch = rl_step.RLCollate(pad_id=tok.pad_token_id, keys=("action_mask",))([sample])
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        trainer = rl_step.logprobs_fn(model, batch, temperature=temperature)[0]
+    assert trainer == pytest.approx(out.logprobs, abs=1e-5)
 
 
 def test_hf_engine_weight_update_is_in_place_and_checked(tiny):

