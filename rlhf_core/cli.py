@@ -61,7 +61,7 @@ def _sigterm_as_interrupt() -> None:
 def cmd_stage_run(args) -> int:
     from rlhf_core.runtime import stage_lock
     from rlhf_core.runtime.cluster import cluster_job_address, job_server
-    from rlhf_core.runtime.jobs import JobFailed, forward_env, submit_and_wait, submit_detached, write_resolved_config
+    from rlhf_core.runtime.jobs import JobFailed, forward_env, secrets_env, submit_and_wait, submit_detached, write_resolved_config
 
     cfg = _resolve(args.stage, args)
     address = cluster_job_address()
@@ -72,9 +72,10 @@ def cmd_stage_run(args) -> int:
     except stage_lock.StageLocked as e:
         print(f"rlhf: {e}", file=sys.stderr)
         return 3
-    path = write_resolved_config(args.stage, config_to_dict(cfg), cfg.output_dir)
+    path = write_resolved_config(args.stage, config_to_dict(cfg), cfg.output_dir)  # credentials redacted
+    env = {**forward_env(), **secrets_env(cfg)}  # ... and handed to the job through its environment
     if args.detach:
-        job_id = submit_detached(address, args.stage, path, forward_env())
+        job_id = submit_detached(address, args.stage, path, env)
         print(f"submitted {args.stage} as Ray job {job_id} (detached: it runs on without this command)\n"
               f"  follow: ray job logs --address {address} --follow {job_id}\n"
               f"  status: ray job status --address {address} {job_id}\n"
@@ -85,7 +86,7 @@ def cmd_stage_run(args) -> int:
         # killed outright (SIGKILL, OOM), the command still takes its work along: a watchdog
         # stops the job on a cluster; an embedded head's watchdog kills the head with every job in it
         with job_server() as job_address:
-            submit_and_wait(job_address, args.stage, path, forward_env(), guard=bool(address))
+            submit_and_wait(job_address, args.stage, path, env, guard=bool(address))
     except JobFailed as e:
         print(f"rlhf: {e}", file=sys.stderr)
         return 1

@@ -4,15 +4,22 @@ Every stage config is a `@dataclass(frozen=True, kw_only=True)`; nested dataclas
 sections (`rl.kl.coef`).  Loading is strict: an unknown key or a value of the wrong type is a
 `ConfigError` naming the key and listing the valid ones.  The resolved config is plain JSON
 (`config_to_dict`) with a stable hash (`config_hash`) that lineage records.
+
+Credentials in a URL (`reward_url: https://user:pass@host/score`, `...?token=...`) never reach a
+file: `config_to_dict` (hence the resolved config, manifests, `rlhf config show`) and `config_hash`
+see them as `***`; `config_secrets` lists the real values, which `rlhf stage run` hands to its
+job through the job's environment, and the job puts back (`restore_secrets`).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
@@ -174,12 +181,77 @@ def load_config(cls: type[T], stage: str, params_path: str | Path = "params.yaml
     return from_dict(cls, data, prefix=f"{section}.")
 
 
+# query parameters whose value is a credential (words between `_` or `-`, case-insensitive)
+URL_SECRET_WORDS = {"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "SIG", "SIGNATURE", "AUTH", "CREDENTIAL",
+                    "CREDENTIALS", "CODE"}
+REDACTED = "***"
+
+
+def redact_url(value: str) -> str:
+    """`value` with a URL's credentials replaced by `***`: the `user:password@` part and the values
+    of query parameters named like credentials (`token`, `api_key`, `X-Amz-Signature` ...).  Any
+    other string is returned unchanged.  e.g. `https://u:p@h/s?token=t&m=1` -> `https://***@h/s?token=***&m=1`."""
+    if "://" not in value:
+        return value
+    parts = urlsplit(value)
+    netloc = f"{REDACTED}@{parts.netloc.rsplit('@', 1)[1]}" if "@" in parts.netloc else parts.netloc
+    query = parts.query
+    secret = lambda name: bool(URL_SECRET_WORDS & set(re.split(r"[_\-]", name.upper())))  # noqa: E731
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(secret(k) for k, _ in pairs):
+        query = "&".join(f"{k}={REDACTED if secret(k) else v}" for k, v in pairs)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _walk(data: dict, prefix: str = ""):
+    for k, v in data.items():
+        if isinstance(v, dict):
+            yield from _walk(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _redact(value):
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {k: _redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value
+
+
+def redact(data: dict) -> dict:
+    """A config dict with every credential in it replaced by `***` (see `redact_url`)."""
+    return _redact(data)
+
+
+def config_secrets(cfg) -> dict[str, str]:
+    """{dotted key: real value} of the settings `config_to_dict` redacts (empty for most configs)."""
+    raw = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    return {k: v for k, v in _walk(raw) if isinstance(v, str) and redact_url(v) != v}
+
+
+def restore_secrets(data: dict, secrets: dict[str, str]) -> dict:
+    """Put the real values of `secrets` (from `config_secrets`) back into a redacted config dict,
+    where the redacted value is still the one they redact to (a changed setting stays as it is)."""
+    data = json.loads(json.dumps(data))
+    for key, value in secrets.items():
+        node, *path = data, *key.split(".")
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(path[-1]) == redact_url(value):
+            node[path[-1]] = value
+    return data
+
+
 def config_to_dict(cfg) -> dict:
-    """JSON-ready dict (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """JSON-ready dict (tuples become lists), credentials in URLs redacted: what files hold."""
+    return redact(json.loads(json.dumps(dataclasses.asdict(cfg))))
 
 
 def config_hash(cfg) -> str:
-    """sha256 of the canonical JSON of the resolved config (sorted keys, no whitespace)."""
+    """sha256 of the canonical JSON of the resolved config (sorted keys, no whitespace), credentials
+    redacted (a hash of a short password would let it be guessed)."""
     canonical = json.dumps(config_to_dict(cfg), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

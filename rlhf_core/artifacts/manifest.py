@@ -3,7 +3,8 @@
 Fields (ARCHITECTURE.md §6): stage, created_at, files {relpath: sha256}, inputs (datasets and
 parent artifacts with their hashes), config + config_sha256, git commit and dirty flag, library
 versions, seed, hardware, run ids, headline metrics.  No environment variables are recorded,
-so no secret can leak into a manifest.
+and credentials in a config's URLs are redacted (`config.redact`), so no secret can leak into a
+manifest.
 """
 from __future__ import annotations
 
@@ -111,13 +112,15 @@ def current_run_ids() -> dict:
 def write_manifest(out_dir: str | Path, *, stage: str, config: dict, config_sha256: str, inputs: list[dict],
                    metrics: dict | None = None, seed: int | None = None, run_ids: dict | None = None) -> dict:
     """Hash everything in `out_dir` and write its manifest atomically (tmp + fsync + rename)."""
+    from rlhf_core.config import redact
+
     out_dir = Path(out_dir)
     manifest = {
         "stage": stage,
         "created_at": datetime.now(timezone.utc).isoformat(),
         "files": hash_tree(out_dir, exclude=EXCLUDED_FILES, exclude_dirs=EXCLUDED_DIRS),
         "inputs": inputs,
-        "config": config,
+        "config": redact(config),  # already redacted by config_to_dict; a direct caller's too
         "config_sha256": config_sha256,
         "git": git_info(),
         "libraries": library_versions(),

@@ -1,9 +1,12 @@
 """Where stages run: the cluster at `RAY_ADDRESS`, or an embedded local Ray head.
 
-The embedded head binds its dashboard/job server to 127.0.0.1 on free ports and runs under a
-watchdog (`runtime/watchdog.py`) in a session of its own: the watchdog starts `ray start --head
---block`, keeps every process of the head as its descendant, and kills them all -- jobs included --
-when we stop the head or when this process dies, however it dies.  Never `ray stop`, which would
+The embedded head binds every port it opens -- GCS, raylet (node and object manager), dashboard
+and job server, dashboard and runtime-env agents, metrics exporters, Ray client server -- to
+127.0.0.1, each on a free port, and gets an allow-list of our environment (`runtime/env.py`:
+its job drivers and workers inherit it).  It runs under a watchdog (`runtime/watchdog.py`) in a
+session of its own: the watchdog starts `ray start --head --block`, keeps every process of the
+head as its descendant, and kills them all -- jobs included -- when we stop the head or when this
+process dies, however it dies.  Never `ray stop`, which would
 kill every Ray process on the host.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from rlhf_core.runtime import watchdog
+from rlhf_core.runtime.env import head_env
 
 log = logging.getLogger("rlhf.cluster")
 
@@ -68,8 +72,17 @@ class LocalRayHead:
         for flag in ("ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                      "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port"):
             cmd.append(f"--{flag}={free_port()}")
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env = head_env()  # job drivers and workers inherit the head's environment: never all of ours
         env.pop("RAY_ADDRESS", None)
+        env.update({
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray 2.60's `ray start` replaces --node-ip-address=127.0.0.1 by the host's address
+            # (services.resolve_ip_for_localhost) unless clustering is off, and then GCS, raylet and
+            # agents bind every interface; off, every one of them binds 127.0.0.1
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            # the two metrics ports that have no `ray start` flag (defaults 44217 and 44227)
+            "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port()),
+        })
         log.info("starting local Ray head (dashboard %s, temp dir %s)", self.job_address, self.temp_dir)
         self.proc = watchdog.spawn(["head", "--temp-dir", self.temp_dir, "--", *cmd], stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + self.startup_timeout

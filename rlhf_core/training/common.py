@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
-from rlhf_core.config import config_hash, config_to_dict, from_dict
+from rlhf_core.config import config_hash, config_to_dict, from_dict, restore_secrets
 from rlhf_core.data.io import DataError, load_rows
 from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
@@ -114,7 +114,9 @@ def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     raw = Path(args.config).read_bytes()
     data = json.loads(raw)
-    cfg = from_dict(cls, data.get("config", data), prefix=f"{section}.")
+    # the file has credentials redacted; `rlhf stage run` passed the real ones in the environment
+    secrets = json.loads(os.environ.get("RLHF_CONFIG_SECRETS") or "{}")
+    cfg = from_dict(cls, restore_secrets(data.get("config", data), secrets), prefix=f"{section}.")
     output_dir = getattr(cfg, "output_dir", None) if needs_ray else None  # prepare writes data/ and base/ in-process
     if output_dir:
         from rlhf_core.runtime import stage_lock

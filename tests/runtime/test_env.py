@@ -1,0 +1,111 @@
+"""What reaches Ray processes and files from us: an environment allow-list, and URLs with their
+credentials redacted (issue 16, item 3).  The head's sockets and its jobs' environments are
+checked for real in tests/runtime/test_cluster.py."""
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rlhf_core.config import config_hash, config_secrets, config_to_dict, redact_url, restore_secrets
+from rlhf_core.runtime import env as E
+from rlhf_core.runtime.jobs import forward_env, secrets_env
+from stages.rl import Config
+
+pytestmark = pytest.mark.unit
+SECRET = "s3cr3t-pa55"
+
+
+def test_head_env_is_an_allow_list_without_secrets():
+    environ = {"PATH": "/bin", "HOME": "/root", "LC_ALL": "C", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "RAY_AUTH_TOKEN_PATH": "/root/.ray/t", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               "HF_TOKEN": SECRET, "VLLM_API_KEY": SECRET, "RLHF_TEST_API_KEY": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET,
+               "DB_PASSWORD": SECRET, "HTTPS_PROXY": f"http://u:{SECRET}@proxy", "PREFECT_API_KEY": SECRET, "PIP_CERT": "/x"}
+    kept = E.head_env(environ)
+    assert set(kept) == {"PATH", "HOME", "LC_ALL", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "RAY_AUTH_TOKEN_PATH",
+                         "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE"}
+    # an explicit choice passes a named variable, secret or not
+    assert E.head_env({**environ, "RLHF_FORWARD_ENV": "HF_TOKEN, PIP_CERT"}).keys() == kept.keys() | {"HF_TOKEN", "PIP_CERT"}
+
+
+def test_jobs_get_an_allow_list(monkeypatch):
+    monkeypatch.setenv("RLHF_TEST_API_KEY", SECRET)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv("RLHF_FORWARD_ENV", raising=False)
+    assert SECRET not in json.dumps(forward_env()) and forward_env()["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("RLHF_FORWARD_ENV", "RLHF_TEST_API_KEY")
+    assert forward_env()["RLHF_TEST_API_KEY"] == SECRET
+
+
+def test_credentials_in_urls_are_redacted_in_every_file_and_restored_in_the_job():
+    url = f"https://user:{SECRET}@rewards.example:8443/score?api_key={SECRET}&model=rm-2"
+    assert redact_url(url) == "https://***@rewards.example:8443/score?api_key=***&model=rm-2"
+    for plain in ("http://127.0.0.1:8765/score", "artifacts/rm/model", "http://h/score?model=x"):
+        assert redact_url(plain) == plain
+    cfg = Config(reward_url=url)
+    written = config_to_dict(cfg)  # what config.resolved.json, manifests and `rlhf config show` hold
+    assert SECRET not in json.dumps(written) and written["reward_url"] == redact_url(url)
+    assert config_hash(cfg) == config_hash(Config(reward_url=redact_url(url)))  # no hash of a password either
+    env = secrets_env(cfg)  # handed to the job through its environment ...
+    assert json.loads(env["RLHF_CONFIG_SECRETS"]) == {"reward_url": url} == config_secrets(cfg)
+    assert restore_secrets(written, config_secrets(cfg))["reward_url"] == url  # ... and put back there
+    assert restore_secrets({**written, "reward_url": "http://other/score"}, config_secrets(cfg))["reward_url"] == "http://other/score"
+    assert secrets_env(Config()) == {}
+
+
+def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeypatch):
+    """The job's side: stage_main reads the redacted file plus the environment; finish() writes a
+    manifest without the secret."""
+    from rlhf_core.training import common
+    from rlhf_core.training.config import TrainConfig
+
+    url = f"http://user:{SECRET}@127.0.0.1:9/score"
+    resolved = tmp_path / "config.resolved.json"
+    resolved.write_text(json.dumps({"stage": "rl", "config": config_to_dict(Config(reward_url=url, output_dir=str(tmp_path / "out")))}))
+    seen = {}
+    monkeypatch.setenv("RLHF_CONFIG_SECRETS", json.dumps({"reward_url": url}))
+    monkeypatch.delenv("RLHF_CONFIG_SHA256", raising=False)
+    common.stage_main(Config, "rl", lambda cfg: seen.update(url=cfg.reward_url), ["--config", str(resolved)], needs_ray=False)
+    assert seen["url"] == url and SECRET not in resolved.read_text()
+
+    out = tmp_path / "artifact"
+    out.mkdir()
+    cfg = TrainConfig(model_path=url)  # any setting: every string is checked
+    common.finish(out, "x", cfg, {"m": 1.0})
+    assert SECRET not in (out / "manifest.json").read_text() and "***@127.0.0.1:9" in (out / "manifest.json").read_text()
+
+
+class _Auth(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        good = "Basic " + base64.b64encode(f"user:{SECRET}".encode()).decode()
+        if self.headers.get("Authorization") != good:
+            self.send_response(401)
+            self.end_headers()
+            return
+        data = json.dumps({"rewards": [1.0] * len(body["responses"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_http_reward_sends_url_credentials_as_basic_auth_and_never_shows_them():
+    from rlhf_core.rollout.rewards import HttpReward, RewardError
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Auth)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        samples = [{"prompt": "p", "response": "r", "label": "l", "token_ids": [1]}]
+        ok = HttpReward(f"http://user:{SECRET}@127.0.0.1:{port}/score")
+        assert ok(samples)[0] == [1.0] and SECRET not in ok.name
+        with pytest.raises(RewardError) as e:  # wrong password: 401, not retried; the message names the URL, redacted
+            HttpReward(f"http://user:wrong@127.0.0.1:{port}/score", retries=0)(samples)
+        assert "HTTP 401" in str(e.value) and f"http://***@127.0.0.1:{port}/score" in str(e.value) and "wrong" not in str(e.value)
+    finally:
+        srv.shutdown()
