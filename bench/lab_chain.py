@@ -218,7 +218,10 @@ def train_rm(lm, tok, pairs, eval_sets, a, dev, rng):
     tmp = Path(a.tmp) / f"lm-{a.tag}-{a.seed}"
     lm.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if a.rm_pool == "last":
+    if a.rm_pool == "logprob":  # reference-free implicit reward: the response's summed log-prob
+        from transformers import AutoModelForCausalLM
+        rm = AutoModelForCausalLM.from_pretrained(tmp).to(dev)
+    elif a.rm_pool == "last":
         rm = AutoModelForSequenceClassification.from_pretrained(tmp, num_labels=1).to(dev)
     else:  # a score per token, pooled over the response tokens
         from transformers import AutoModelForTokenClassification
@@ -238,7 +241,14 @@ def train_rm(lm, tok, pairs, eval_sets, a, dev, rng):
         plen = [len(tok(p["prompt"]).input_ids) for p in batch] * 2
         ids, att = pad(seqs, tok.pad_token_id, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
-            r = rm(input_ids=ids, attention_mask=att).logits.squeeze(-1).float()
+            out = rm(input_ids=ids, attention_mask=att).logits
+        if a.rm_pool == "logprob":
+            lp = out[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            pos = torch.arange(1, ids.shape[1], device=dev).unsqueeze(0)
+            m = ((pos >= torch.tensor(plen, device=dev).unsqueeze(1)) & att[:, 1:].bool()).float()
+            r = (lp * m).sum(-1)
+            return r[: len(batch)], r[len(batch):]
+        r = out.squeeze(-1).float()
         if a.rm_pool != "last":  # (B, T) per-token scores -> pooled over the response
             pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
             m = ((pos >= torch.tensor(plen, device=dev).unsqueeze(1)) & att.bool()).float()

@@ -6,10 +6,15 @@ The sft model gets a one-logit head.  `pooling` says where the reward is read:
                  classic RM (OpenRLHF, TRL)
   response_sum   a logit at every token (`AutoModelForTokenClassification`), summed over the
   response_mean  response tokens (or averaged): a dense, token-level reward whose sum is the score
+  logprob        no head: the response's summed log-probability under the model itself
+                 (`AutoModelForCausalLM`), a reference-free implicit reward (the reward of SimPO,
+                 unnormalised by length); BT training makes the model's likelihood rank the pairs
 
-On the embedded task `response_sum` learns several times faster: each answer token's score only
-has to compare that token with what the model predicted one position earlier, while `last` must
-route every digit's verdict to one position (docs/benchmarks.md, "the learning chain").
+On the embedded task (docs/benchmarks.md, "the learning chain") `response_sum` learns faster than
+`last` -- each answer token's score only has to compare that token with what the model predicted
+one position earlier, while `last` must route every digit's verdict to one position -- and
+`logprob` starts where the others end: the sft model already ranks most held-out pairs right by
+likelihood, so BT training only has to correct what sft got wrong.
 Metrics: `eval/pair_accuracy` on held-out pairs and the reward mean/std there, saved with the model
 (`reward_stats.json`, with the pooling) for the rl stage's normalisation.
 """
@@ -21,8 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-from rlhf_core.algos.aggregation import pool_response
-from rlhf_core.algos.losses import RM_LOSSES
+from rlhf_core.algos.aggregation import masked_sum, pool_response
+from rlhf_core.algos.losses import RM_LOSSES, token_logprobs
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.loop import StageSpec, save_final_model, train
@@ -41,15 +46,24 @@ class Config(TrainConfig):
     """Pairwise loss (`algos.losses.RM_LOSSES`)."""
     margin: float = 0.0
     """Margin of the sigmoid loss."""
-    pooling: Literal["last", "response_sum", "response_mean"] = "last"
-    """Where the reward is read: the last token, or per token summed/averaged over the response."""
+    pooling: Literal["last", "response_sum", "response_mean", "logprob"] = "last"
+    """Where the reward is read: the last token, per token summed/averaged over the response, or
+    the response's summed log-probability under the model (no head)."""
 
 
 # --- maths: run inside the workers ---------------------------------------------------------
 
 
+MODEL_KINDS = {"last": "reward", "response_sum": "value", "response_mean": "value", "logprob": "causal_lm"}
+"""pooling -> the model class the workers load (sequence head, token head, plain LM)."""
+
+
 def rewards_of(model, batch, pooling: str):
     """Scalar reward per sequence `(2B,)`: chosen first, then rejected."""
+    if pooling == "logprob":
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
+        return masked_sum(logprobs, batch["loss_mask"][:, 1:].float(), dim=-1)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
     if pooling == "last":
         return logits
@@ -84,7 +98,7 @@ def build_spec(cfg: Config, out_dir: Path):
         std = (sum((r - mean) ** 2 for r in flat) / max(1, len(flat) - 1)) ** 0.5
         return {"eval/pair_accuracy": sum(c > r for c, r in pr) / len(pr), "eval/reward_mean": mean, "eval/reward_std": std}
 
-    spec = StageSpec(name="rm", model_path=cfg.model_path, model_kind="reward" if cfg.pooling == "last" else "value", examples=pairs,
+    spec = StageSpec(name="rm", model_path=cfg.model_path, model_kind=MODEL_KINDS[cfg.pooling], examples=pairs,
                      collate=collate, loss_fn=partial(loss_fn, loss=cfg.loss, margin=cfg.margin, pooling=cfg.pooling), counts=common.count_pairs,
                      evaluate=evaluate, data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
     return spec, tokenizer
@@ -94,9 +108,10 @@ def run(cfg: Config) -> dict:
     out_dir = Path(cfg.output_dir)
     spec, tokenizer = build_spec(cfg, out_dir)
     group, metrics = train(spec, cfg, out_dir)
-    where = "the logit at the last non-pad token" if cfg.pooling == "last" else \
-        f"the per-token logits {'summed' if cfg.pooling == 'response_sum' else 'averaged'} over the response tokens"
-    card = common.model_card("rm", cfg, metrics, f"Reward model: the sft model with a one-logit head, trained with a pairwise "
+    where = {"last": "the logit at the last non-pad token", "response_sum": "the per-token logits summed over the response tokens",
+             "response_mean": "the per-token logits averaged over the response tokens",
+             "logprob": "the response's summed log-probability under this causal LM"}[cfg.pooling]
+    card = common.model_card("rm", cfg, metrics, f"Reward model: the sft model (with a one-logit head unless `logprob`), trained with a pairwise "
                              f"Bradley-Terry loss. Reward = {where} (`reward_stats.json` has the pooling and the normalisation).")
     model_dir = save_final_model(group, out_dir, tokenizer, card)
     # what the rl stage uses to normalise rewards from this model

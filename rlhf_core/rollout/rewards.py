@@ -102,9 +102,10 @@ class FunctionReward:
 
 class ModelReward:
     """The rm stage's model, scoring the exact token ids of each sample (no re-tokenization).
-    `reward_stats.json` beside it gives the pooling (`last`, or a token-level model's
-    `response_sum`/`response_mean` over the tokens after each sample's `prompt_len`) and the
-    mean/std the scores are normalised by."""
+    `reward_stats.json` beside it gives the pooling (`last`; a token-level model's
+    `response_sum`/`response_mean` over the tokens after each sample's `prompt_len`; `logprob`, the
+    response's summed log-probability under a causal LM) and the mean/std the scores are
+    normalised by."""
 
     def __init__(self, path: str, pad_token_id: int, normalize: bool = True, trust_remote_code: bool = False):
         from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
@@ -112,7 +113,9 @@ class ModelReward:
         stats_path = Path(path) / "reward_stats.json"
         stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
         self.pooling = stats.get("pooling", "last")
-        cls = AutoModelForSequenceClassification if self.pooling == "last" else AutoModelForTokenClassification
+        from transformers import AutoModelForCausalLM
+
+        cls = {"last": AutoModelForSequenceClassification, "logprob": AutoModelForCausalLM}.get(self.pooling, AutoModelForTokenClassification)
         self.model = cls.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = pad_token_id
@@ -124,19 +127,25 @@ class ModelReward:
 
     @torch.no_grad()
     def __call__(self, samples: list[dict]):
-        from rlhf_core.algos.aggregation import pool_response
+        from rlhf_core.algos.aggregation import masked_sum, pool_response
+        from rlhf_core.algos.losses import token_logprobs
 
         seqs = [s["token_ids"] for s in samples]
         width = max(len(x) for x in seqs)
         ids = torch.tensor([x + [self.pad] * (width - len(x)) for x in seqs])
         mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
-        scores = self.model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float()
-        if self.pooling != "last":
+        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        if self.pooling == "last":
+            scores = logits.squeeze(-1).float()
+        else:
             if any("prompt_len" not in s for s in samples):
                 raise RewardError(f"{self.name} pools over the response ({self.pooling}): every sample needs its prompt_len")
             starts = torch.tensor([s["prompt_len"] for s in samples]).unsqueeze(1)
-            response = (torch.arange(width).unsqueeze(0) >= starts) & mask.bool()
-            scores = pool_response(scores, response.float(), self.pooling)
+            response = ((torch.arange(width).unsqueeze(0) >= starts) & mask.bool()).float()
+            if self.pooling == "logprob":  # summed log-prob of each response token (position t-1 predicts t)
+                scores = masked_sum(token_logprobs(logits[:, :-1], ids[:, 1:]), response[:, 1:], dim=-1)
+            else:
+                scores = pool_response(logits.squeeze(-1).float(), response, self.pooling)
         return _validate(self.name, ((scores - self.mean) / self.std).tolist(), len(samples))
 
 

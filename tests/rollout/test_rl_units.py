@@ -358,6 +358,28 @@ def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(
         srv.shutdown()
 
 
+def test_likelihood_reward_model_scores_the_response_log_prob(tiny):
+    """A `logprob` reward model: the score is the response's summed log-probability under the LM."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path, tok = tiny
+    rm_dir = path.parent / "rm_logprob"
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.save_pretrained(rm_dir)
+    tok.save_pretrained(rm_dir)
+    (rm_dir / "reward_stats.json").write_text(json.dumps({"mean": 0.0, "std": 1.0, "pooling": "logprob"}))
+    ids = [[1, 5, 6, 7, 2], [1, 5, 6, 8]]
+    samples = [{"prompt": "p", "response": "r", "label": "l", "token_ids": x, "prompt_len": 3} for x in ids]
+    scores, _, _ = R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)(samples)
+    with torch.no_grad():
+        want = [float(model(input_ids=torch.tensor([x])).logits[0, :-1].log_softmax(-1)[torch.arange(2, len(x) - 1), torch.tensor(x[3:])].sum())
+                for x in ids]
+    assert scores == pytest.approx(want, abs=1e-4) and all(s < 0 for s in scores)
+
+
 def test_user_environment_file(tmp_path):
     from rlhf_core.rollout.agents import load_environment
 
