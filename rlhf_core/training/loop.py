@@ -66,6 +66,10 @@ class StageSpec:
     the reward model, reward file, agent file): a checkpoint built from others is not resumed."""
 
 
+STARTUP_TIMEOUT = 600.0
+"""Seconds a worker group may take to start (load the model, initialise DeepSpeed)."""
+
+
 class WorkerGroup:
     """N TrainWorker actors in one placement group (PACK: one bundle per worker).
 
@@ -95,16 +99,19 @@ class WorkerGroup:
             for r in range(cfg.num_workers)
         ]
         self.timeout, self.name, self.timeout_setting = timeout, name, timeout_setting
-        self.call("state_fingerprint")  # surfaces construction errors now, not mid-step
+        # surfaces construction errors now, not mid-step; start-up (model load, DeepSpeed init) on a
+        # busy machine may take longer than a step's calls are allowed
+        self._get([w.state_fingerprint.remote() for w in self.workers], "start-up", timeout=max(timeout, STARTUP_TIMEOUT))
         self.zero3 = cfg.zero_stage == 3
 
-    def _get(self, refs, what: str):
+    def _get(self, refs, what: str, timeout: float | None = None):
         import ray
 
+        timeout = timeout or self.timeout
         try:
-            return ray.get(refs, timeout=self.timeout)
+            return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            setting = f"{self.timeout_setting}={self.timeout:g}s" if self.timeout_setting else f"{self.timeout:g}s"
+            setting = f"{self.timeout_setting}={timeout:g}s" if self.timeout_setting and timeout == self.timeout else f"{timeout:g}s"
             raise TimeoutError(f"{self.name} {what} took longer than {setting}") from None
 
     def call(self, method: str, *args) -> list:

@@ -1,5 +1,8 @@
 """The rl stage as a real Ray job: rollouts, rewards, updates, weight sync, exact resume."""
+import base64
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -34,11 +37,13 @@ def table(out: Path, step: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def grpo_reference(project, ray_head, sft_reference):
     rf = reward_file(project, "digits_reward.py", DIGITS_REWARD)
-    # exercises the adaptive KL controller (its state must survive a resume), TIS and clip-higher
+    # exercises the adaptive KL controller (its state must survive a resume), TIS and clip-higher,
+    # at a sampling temperature != 1 (engine and trainer log-probs must both be tempered)
     args = [*SMALL, "--set", "rl.engine=hf", "--set", f"rl.reward_file={rf}", "--set", "rl.adaptive_kl=true", "--set", "rl.kl_target=0.01",
-            "--set", "rl.is_correction=tis", "--set", "rl.clip_high=0.28"]
+            "--set", "rl.is_correction=tis", "--set", "rl.clip_high=0.28", "--set", "rl.temperature=0.8"]
     proc = run_stage(project, ray_head, "rl", *args, "--set", "rl.output_dir=artifacts/rl_ref")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    (project / "rl_ref.log").write_text(proc.stdout)
     return project / "artifacts" / "rl_ref", args
 
 
@@ -57,8 +62,8 @@ def test_grpo_outputs_rollouts_and_show(project, grpo_reference):
     r = rows[0]
     n = r["response_length"]
     assert len(r["engine_logprobs"]) == len(r["old_logprobs"]) == len(r["ref_logprobs"]) == len(r["advantages"]) == len(r["action_mask"]) == n
-    assert r["engine_logprobs"] == pytest.approx(r["old_logprobs"], abs=1e-4)  # same weights in engine and trainer
-    assert json.loads(r["reward_components"]).keys() == {"reward_file"} and r["filter"] == "kept"
+    assert r["engine_logprobs"] == pytest.approx(r["old_logprobs"], abs=1e-4)  # same weights and temperature (0.8) in engine and trainer
+    assert json.loads(r["reward_components"]).keys() == {"reward_file", "gold"} and r["filter"] == "kept"
     # GRPO: each group's advantages are centred
     for g in {x["prompt_id"] for x in rows}:
         adv = [x["advantages"][0] for x in rows if x["prompt_id"] == g and x["advantages"]]
@@ -66,6 +71,11 @@ def test_grpo_outputs_rollouts_and_show(project, grpo_reference):
     updates = [json.loads(x) for x in (out / "train_history.jsonl").read_text().splitlines()]
     assert [u["step"] for u in updates] == [1, 2, 3, 4] and all("train/loss" in u for u in updates)
     assert len({u["kl_coef"] for u in updates}) > 1  # the adaptive controller moved
+    # TIS ran (its statistic; weights 1 here: the engine holds the trainer's weights) with the
+    # clip-higher range; stages/test_rl_objective.py checks the numbers these settings produce
+    assert all(u["train/is_truncated_frac"] == 0.0 and "train/clipfrac" in u for u in updates)
+    assert "policy loss ppo: clip_low=0.2, clip_high=0.28, agg_mode=token-mean, temperature 0.8, is_correction tis" in \
+        (project / "rl_ref.log").read_text()
     shown = rlhf("rollouts", "show", str(out / "rollouts"), cwd=project)
     assert shown.returncode == 0 and "reward" in shown.stdout and len(shown.stdout.splitlines()) >= 6, shown.stderr
 
@@ -90,16 +100,23 @@ def test_rl_sigkill_then_resume_is_bit_identical(project, ray_head, grpo_referen
 def test_ppo_multi_turn_agent_on_vllm(project, ray_head, sft_reference):
     """PPO (critic + GAE) with the multi-turn retry environment on the vLLM engine."""
     out = project / "artifacts" / "rl_ppo"
-    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.max_steps=2", "--set", "rl.algo=ppo", "--set", "rl.agent=retry_arithmetic",
-                     "--set", f"rl.output_dir={out}", "--set", "rl.max_len=48", "--set", "rl.max_new_tokens=6")
+    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.max_steps=3", "--set", "rl.algo=ppo", "--set", "rl.agent=retry_arithmetic",
+                     "--set", f"rl.output_dir={out}", "--set", "rl.max_len=48", "--set", "rl.max_new_tokens=6", "--set", "rl.temperature=0.7")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval/sync_greedy_match"] == 1.0  # vLLM after in-place syncs == the trainer
     assert "eval/success_rate" in metrics and "eval/success_rate_init" in metrics
     assert (out / "checkpoints" / "step_000002" / "critic").is_dir()
+    history = [json.loads(x) for x in (out / "train_history.jsonl").read_text().splitlines()]
+    errors = [h["critic/value_error"] for h in history]
+    print("critic value error per step", errors)
+    assert errors[-1] < 0.5 * errors[0], errors  # the critic learns the returns
     rows = table(out, 2)
+    for r in rows:  # vLLM's log-probs (processed: at temperature 0.7) are the trainer's, on the model's tokens
+        acts = [i for i, m in enumerate(r["action_mask"]) if m]
+        assert [r["engine_logprobs"][i] for i in acts] == pytest.approx([r["old_logprobs"][i] for i in acts], abs=2e-3)
     assert all(r["values"] and len(r["values"]) == r["response_length"] for r in rows)
-    assert all(json.loads(r["reward_components"]).keys() == {"env"} for r in rows)
+    assert all(json.loads(r["reward_components"]).keys() == {"env", "gold"} for r in rows)
     multi = [r for r in rows if r["num_turns"] > 1]
     assert multi, "the 8-step sft model should fail some first turns"
     for r in multi:  # environment feedback is in the context but masked out of the loss
@@ -168,3 +185,76 @@ def test_burst_of_10x_the_default_batch_keeps_memory_bounded(project, ray_head, 
     print(peaks)
     for role, (small_mb, burst_mb) in peaks.items():
         assert burst_mb < small_mb + 256, (role, burst_mb, small_mb)
+
+
+SECRET = "pa55-9f8e7d6c"
+
+
+class _ScoringServer(BaseHTTPRequestHandler):
+    """A reward server behind basic auth: additions score a constant (a zero-variance group, which
+    DAPO's dynamic sampling drops), subtractions the share of digits in the response."""
+
+    def do_POST(self):  # noqa: N802
+        if self.headers.get("Authorization") != "Basic " + base64.b64encode(f"rl:{SECRET}".encode()).decode():
+            self.send_response(401)
+            self.end_headers()
+            return
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        rewards = [1.0 if "+" in p else sum(c.isdigit() for c in r) / max(1, len(r)) for p, r in zip(body["prompts"], body["responses"])]
+        data = json.dumps({"rewards": rewards}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.mark.xdist_group("rl_more")
+def test_gspo_with_dynamic_sampling_fills_every_batch_from_an_authenticated_reward_server(project, ray_head, sft_reference):
+    """GSPO gets its own clip range and aggregation through the stage; DAPO dynamic sampling drops
+    zero-variance groups and draws more prompts until every step trains on a full batch (it used
+    to train on what was left).  The reward URL carries credentials: they reach the server and no
+    file or log (issue 16, items 3 and 6)."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _ScoringServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    out = project / "artifacts" / "rl_gspo_ds"
+    try:
+        url = f"http://rl:{SECRET}@127.0.0.1:{srv.server_address[1]}/score"
+        proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.engine=hf", "--set", "rl.max_steps=2", "--set", "rl.pass_k=1",
+                         "--set", "rl.sync_check_prompts=0", "--set", "rl.loss_type=gspo", "--set", "rl.dynamic_sampling=true",
+                         "--set", "rl.dynamic_sampling_rounds=8", "--set", f"rl.reward_url={url}", "--set", f"rl.output_dir={out}")
+    finally:
+        srv.shutdown()
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "policy loss gspo: clip_low=0.0003, clip_high=0.0004, agg_mode=seq-mean-token-mean" in proc.stdout
+    history = [json.loads(x) for x in (out / "train_history.jsonl").read_text().splitlines()]
+    for step, h in enumerate(history, start=1):
+        rows = table(out, step)
+        kept = [r for r in rows if r["filter"] == "kept"]
+        assert len(kept) == h["kept"] == 4 * 4 and len({r["prompt_id"] for r in kept}) == 4, (step, h)  # a full batch
+        assert h["prompts_drawn"] == 4 * h["sampling_rounds"] and len(rows) == 4 * h["prompts_drawn"]
+        assert all("+" not in r["prompt"] for r in kept)
+    assert sum(h["sampling_rounds"] for h in history) > len(history)  # it did have to draw more
+    assert any(r["filter"] == "zero_variance_group" for step in (1, 2) for r in table(out, step))
+    leaked = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaked == [] and SECRET not in proc.stdout + proc.stderr
+    assert json.loads((out / "config.resolved.json").read_text())["config"]["reward_url"].startswith("http://***@127.0.0.1:")
+
+
+@pytest.mark.xdist_group("rl_more")
+@pytest.mark.parametrize("fault, message", [
+    ("hang:train_step", "policy train step 1 took longer than rollout_timeout=30s"),
+    ("kill_worker_at_step:1", "a training worker died during step 1: the stage stops"),
+])
+def test_a_hung_or_killed_policy_worker_fails_the_step_with_a_clear_error(project, ray_head, sft_reference, fault, message):
+    """The policy's train step is bounded by rl.rollout_timeout like every other call (it waited
+    forever), and `kill_worker_at_step` now fires in rl (the update never passed its step)."""
+    out = project / "artifacts" / f"rl_{fault.split(':')[0]}"
+    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1",
+                     "--set", "rl.sync_check_prompts=0", "--set", "rl.rollout_timeout=30", "--set", f"rl.output_dir={out}",
+                     env={"RLHF_FAULT": fault})
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+    assert not (out / "model").exists() and not (out / "checkpoints" / "latest").exists()
