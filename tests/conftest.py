@@ -10,7 +10,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+KINDS = ("unit", "integration", "e2e", "gpu")
+
+
 def pytest_collection_modifyitems(config, items):
+    # every test says what it needs (`make test-unit`, CI selection): an unmarked one is refused
+    unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(k) for k in KINDS)]
+    if unmarked:
+        raise pytest.UsageError(f"tests with no kind marker ({', '.join(KINDS)}): {', '.join(unmarked)}")
     try:
         import torch
 
@@ -29,7 +36,7 @@ SMALL_TASK = ["prepare.task.num_sft=600", "prepare.task.num_pref=400", "prepare.
               "prepare.task.num_eval=40", "prepare.task.num_eval_pref=40"]
 
 
-def rlhf(*args, cwd, env=None, timeout=900):
+def rlhf(*args, cwd, env=None, timeout=600):
     """Run the `rlhf` CLI as a user would; returns the CompletedProcess."""
     import subprocess
     import sys

@@ -101,13 +101,17 @@ def losses(out: Path) -> list[float]:
 
 
 def break_loading(ckpt: Path) -> None:
-    """A checkpoint that passes its checksums but does not load (as one written by other code):
-    a parameter missing from the engine's model state, CHECKSUMS resealed."""
+    """A checkpoint that passes its checksums but does not load (as one written by other code of
+    ours): a parameter missing from the engine's model state, CHECKSUMS and the hash record beside
+    checkpoints/ resealed (otherwise it is refused before loading, as tampering)."""
     f = ckpt / "engine" / "state" / "mp_rank_00_model_states.pt"
     state = torch.load(f, weights_only=False)
     state["module"].pop("model.norm.weight")
     torch.save(state, f)
-    (ckpt / "CHECKSUMS.json").write_text(json.dumps(hash_tree(ckpt, exclude=("CHECKSUMS.json",)), indent=2, sort_keys=True))
+    sums = hash_tree(ckpt, exclude=("CHECKSUMS.json",))
+    (ckpt / "CHECKSUMS.json").write_text(json.dumps(sums, indent=2, sort_keys=True))
+    record = ckpt.parent.parent / "checkpoint_hashes.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), ckpt.name: sums}))
 
 
 @pytest.mark.xdist_group("sft_faults")
@@ -162,7 +166,7 @@ def test_two_runs_at_once_on_one_output_dir_the_second_is_refused(project, ray_h
     env = {**os.environ, "RAY_ADDRESS": ray_head}
     logs = [project / f"sft_twice_{i}.log" for i in (0, 1)]
     cmds = [start(project, args, log, env) for log in logs]
-    codes = [c.wait(timeout=900) for c in cmds]
+    codes = [c.wait(timeout=600) for c in cmds]
     texts = [log.read_text() for log in logs]
     assert sorted(code == 0 for code in codes) == [False, True], (codes, [t[-2000:] for t in texts])
     winner, loser = (0, 1) if codes[0] == 0 else (1, 0)

@@ -32,6 +32,10 @@ def test_sft_outputs(sft_reference):
         assert key in metrics, key
     assert metrics["eval/loss"] < metrics["eval/loss_init"]  # it learns something in 8 steps
     assert verify_manifest(out) == []
+    # the checkpoints' hash record (outside checkpoints/) is part of the artifact, and lists the kept ones
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "checkpoint_hashes.json" in manifest["files"]
+    assert sorted(json.loads((out / "checkpoint_hashes.json").read_text())) == ["step_000006", "step_000008"]
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "model").config.model_type == "llama"
@@ -122,12 +126,18 @@ def test_rm_stage(project, ray_head, sft_reference):
     assert verify_manifest(out) == []
 
 
-@pytest.mark.xdist_group("sft_later")
-def test_dpo_stage(project, ray_head, sft_reference):
+@pytest.fixture(scope="module")
+def dpo_artifact(project, ray_head, sft_reference):
+    """artifacts/dpo from the sft model (test_dpo_stage checks it, the lineage test walks it)."""
     proc = run_stage(project, ray_head, "dpo", "--set", "dpo.max_steps=4", "--set", "dpo.save_steps=2", "--set", "dpo.global_batch_size=16",
                      "--set", "dpo.eval_max_new_tokens=4")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    out = project / "artifacts" / "dpo"
+    return project / "artifacts" / "dpo"
+
+
+@pytest.mark.xdist_group("sft_later")
+def test_dpo_stage(dpo_artifact, sft_reference):
+    out = dpo_artifact
     metrics = json.loads((out / "metrics.json").read_text())
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "eval/accuracy", "eval/accuracy_init"):
         assert key in metrics, key
@@ -167,10 +177,8 @@ def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, 
 
 
 @pytest.mark.xdist_group("sft_later")
-def test_lineage_show_and_verify_chain(project, ray_head, sft_reference):
+def test_lineage_show_and_verify_chain(project, dpo_artifact):
     """dpo <- sft <- base <- data: the tree prints, verifies, and a flipped byte anywhere fails it."""
-    if not (project / "artifacts" / "dpo" / "manifest.json").exists():
-        test_dpo_stage(project, ray_head, sft_reference)
     shown = rlhf("lineage", "show", "artifacts/dpo/model", cwd=project)
     assert shown.returncode == 0, shown.stderr
     for stage in ("[dpo]", "[sft]", "[prepare]", "[prepare-data]"):

@@ -1,7 +1,10 @@
 """Optimizer parameter groups: decay reaches matrices only."""
+import pytest
 import torch
 
 from rlhf_core.training.engine import param_groups
+
+pytestmark = pytest.mark.unit
 
 
 def test_weight_decay_skips_norm_gains_and_biases():

@@ -1,0 +1,38 @@
+"""Rules of the test suite itself (issue 16, item 7): a test that cannot fail is worse than none.
+
+Every test is marked unit, integration, e2e or gpu (conftest.py refuses to collect an unmarked
+one); no subprocess or wait inside a test may outlast pytest's own timeout, since then pytest
+kills the test first and the subprocess's own, clearer error never shows."""
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_timeout_in_a_test_reaches_the_pytest_timeout():
+    limit = int(re.search(r"^timeout\s*=\s*(\d+)", (ROOT / "pyproject.toml").read_text(), re.M).group(1))
+    too_long = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            for m in re.finditer(r"(?<![\w.])timeout\s*=\s*(\d+)", line):
+                if int(m.group(1)) >= limit:
+                    too_long.append(f"{path.relative_to(ROOT)}:{lineno}: timeout={m.group(1)} >= pytest's {limit}")
+    assert too_long == []
+
+
+def test_an_unmarked_test_is_refused():
+    """conftest's collection hook (tests/training/test_engine_units.py had no marker: `-m unit` skipped it)."""
+    import conftest
+
+    class Item:
+        def __init__(self, nodeid, kinds):
+            self.nodeid, self.kinds = nodeid, kinds
+
+        def get_closest_marker(self, name):
+            return name if name in self.kinds else None
+
+    with pytest.raises(pytest.UsageError, match=r"no kind marker .*: test_x.py::test_bare$"):
+        conftest.pytest_collection_modifyitems(None, [Item("test_x.py::test_marked", {"unit"}), Item("test_x.py::test_bare", set())])
