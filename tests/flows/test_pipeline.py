@@ -32,7 +32,7 @@ TINY_PARAMS = {
 SECRET = "sk-test-9f8e7d6c5b4a39281706"
 
 
-def sh(*cmd, cwd, env=None, timeout=900):
+def sh(*cmd, cwd, env=None, timeout=600):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -97,7 +97,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
             return p.returncode == 0 and "alignment-pipeline/full" in p.stdout and "alignment-pipeline/nightly" in p.stdout
 
         wait_for(deployed, 180, "deployments registered")
-        run = sh(sys.executable, "-m", "prefect", "deployment", "run", "alignment-pipeline/full", "--watch", cwd=root, env={**env, **api}, timeout=1200)
+        run = sh(sys.executable, "-m", "prefect", "deployment", "run", "alignment-pipeline/full", "--watch", cwd=root, env={**env, **api}, timeout=840)
         log = (root / "serve.log").read_text()
         assert run.returncode == 0, run.stdout[-3000:] + log[-6000:]
         for stage in ("pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr"):
