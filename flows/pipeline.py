@@ -78,6 +78,11 @@ def stage_changed(stage: str, repo: Path) -> bool:
     return bool(json.loads(proc.stdout or "{}"))
 
 
+def _key(stage: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes): `rl@rlhf` -> `rl-rlhf`."""
+    return stage.replace("@", "-").replace("_", "-").lower()
+
+
 def _summary(stage: str, repo: Path, status: str) -> str:
     out = repo / "artifacts" / ("base" if stage == "prepare" else stage)
     metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
@@ -94,7 +99,7 @@ def run_stage(stage: str, repo: str, push: bool = True):
     root = Path(repo)
     if not stage_changed(stage, root):
         logger.info("%s: unchanged, skipped", stage)
-        create_markdown_artifact(key=f"{stage}-summary", markdown=_summary(stage, root, "skipped (unchanged)"), description=f"{stage} (skipped)")
+        create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "skipped (unchanged)"), description=f"{stage} (skipped)")
         return Completed(message=f"{stage}: unchanged, skipped", data={"stage": stage, "ran": False})
     env = {"RLHF_PREFECT_FLOW_RUN_ID": str(flow_run.id or ""), "RLHF_PREFECT_TASK_RUN_ID": str(task_run.id or "")}
     proc = _dvc(["repro", "-s", stage], root, env, stream=True)
@@ -104,7 +109,7 @@ def run_stage(stage: str, repo: str, push: bool = True):
         pushed = _dvc(["push", stage], root)
         if pushed.returncode:
             raise StageFailed(f"dvc push {stage} failed: {pushed.stderr.strip()[-2000:]}")
-    create_markdown_artifact(key=f"{stage}-summary", markdown=_summary(stage, root, "ran"), description=f"{stage} (ran)")
+    create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "ran"), description=f"{stage} (ran)")
     return {"stage": stage, "ran": True}
 
 
