@@ -313,6 +313,7 @@ def main():
     ap.add_argument("--rm-from-base", action="store_true")
     ap.add_argument("--num-pref", type=int, default=3000)
     ap.add_argument("--load-sft", default="")
+    ap.add_argument("--load-base", default="")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--curve", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -332,6 +333,12 @@ def main():
     model = build_model(tok, a.arch, a.hidden, a.layers, a.seed).to(dev)
     res = {"tag": a.tag, "seed": a.seed, "args": vars(a), "docs": len(docs), "params": sum(p.numel() for p in model.parameters())}
     res["diag_init"] = diagnostics(model, tok, splits["eval"], dev)
+    if a.load_base:  # someone else's pretrained model: run sft (and rm) on it
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(a.load_base)
+        model = AutoModelForCausalLM.from_pretrained(a.load_base).to(dev)
+        a.pretrain_steps = 0
+        res["acc_base"] = greedy_acc(model, tok, splits["eval"], dev)
     if a.load_sft:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tok = AutoTokenizer.from_pretrained(a.load_sft)

@@ -7,7 +7,8 @@ right/wrong verdicts on claimed answers).  At a user's site it is continued pret
 `text` column.
 
 Reads top to bottom: config, data (tokenize, pack), main.  The loss is sft's with every token
-counted; the loop, workers, checkpoints and resume are shared (`rlhf_core.training.loop`).
+counted (`rlhf_core.training.lm`); the loop, workers, checkpoints and resume are shared
+(`rlhf_core.training.loop`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from rlhf_core.data.tokenize import pack_documents
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.loop import StageSpec, save_final_model, train
-from stages.sft import count_tokens, loss_fn, make_evaluate
+from rlhf_core.training.lm import count_tokens, loss_fn, make_evaluate
 
 log = logging.getLogger("rlhf.pretrain")
 
@@ -40,7 +41,6 @@ class Config(TrainConfig):
     """Window length of the packing (tokens); documents are concatenated and cut to it."""
     lr: float = 2e-3
     warmup_steps: int = 40
-    weight_decay: float = 0.1
     max_chars: int = 100_000
     label_prefix: str = " "
     """How an eval label is written as a response, for `eval/loss`."""

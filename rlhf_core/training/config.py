@@ -33,8 +33,9 @@ class TrainConfig:
     global_batch_size: int = 32
     """Sequences per optimizer step over all workers."""
     lr: float = 1e-3
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay, on weight matrices only (not norm gains or biases)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, on weight matrices only (not norm gains or biases); with the
+    warmup + cosine schedule and clipping below, the recipe every stage starts from."""
     warmup_steps: int = 10
     lr_scheduler: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
