@@ -36,8 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports, all bound at once before any is released: asked one at a time, the
+    OS may hand out the same port twice, and Ray refuses to start ("trying to use a port number
+    ... that is used by other components")."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
+
+
+PORT_FLAGS = ("ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+              "metrics-export-port", "node-manager-port", "object-manager-port")
+PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
 
 
 class LocalRayHead:
@@ -46,7 +67,8 @@ class LocalRayHead:
     def __init__(self, num_cpus: int | None = None, startup_timeout: float = 120.0):
         self.num_cpus = num_cpus or os.cpu_count() or 1
         self.startup_timeout = startup_timeout
-        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        # GCS, dashboard, then the ports `start` assigns: every one explicit and distinct
+        self.gcs_port, self.dashboard_port, *self._ports = free_ports(2 + len(PORT_FLAGS) + len(PORT_ENV))
         self.proc: subprocess.Popen | None = None
         self.log_file = tempfile.NamedTemporaryFile(prefix="rlhf-ray-head-", suffix=".log", delete=False)
         # A temp dir of its own, not the shared /tmp/ray: Ray's job supervisor hands each job driver
@@ -69,9 +91,8 @@ class LocalRayHead:
         ]
         # every listening port explicit and free: defaults (e.g. the agent's 52365) collide with
         # a head that is still shutting down, or a second pipeline on the same host
-        for flag in ("ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                     "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port"):
-            cmd.append(f"--{flag}={free_port()}")
+        ports = iter(self._ports)
+        cmd += [f"--{flag}={next(ports)}" for flag in PORT_FLAGS]
         env = head_env()  # job drivers and workers inherit the head's environment: never all of ours
         env.pop("RAY_ADDRESS", None)
         env.update({
@@ -81,7 +102,7 @@ class LocalRayHead:
             # agents bind every interface; off, every one of them binds 127.0.0.1
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             # the two metrics ports that have no `ray start` flag (defaults 44217 and 44227)
-            "AUTOSCALER_METRIC_PORT": str(free_port()), "DASHBOARD_METRIC_PORT": str(free_port()),
+            **{name: str(next(ports)) for name in PORT_ENV},
         })
         log.info("starting local Ray head (dashboard %s, temp dir %s)", self.job_address, self.temp_dir)
         self.proc = watchdog.spawn(["head", "--temp-dir", self.temp_dir, "--", *cmd], stdout=self.log_file, stderr=subprocess.STDOUT, env=env)

@@ -38,7 +38,7 @@ def test_sft_outputs(sft_reference):
     assert sorted(json.loads((out / "checkpoint_hashes.json").read_text())) == ["step_000006", "step_000008"]
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(out / "model").config.model_type == "llama"
+    assert AutoModelForCausalLM.from_pretrained(out / "model").config.model_type == "qwen3"  # prepare's default tiny model
     assert "Supervised fine-tuning" in (out / "model" / "README.md").read_text()
 
 
@@ -51,7 +51,7 @@ def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
     assert (project / out / "checkpoints" / "latest").read_text() == "step_000003"
     resumed = run_stage(project, ray_head, "sft", *args)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resumed from step_000003" in resumed.stdout
+    assert "resumed from step_000003" in resumed.stdout, resumed.stdout[-3000:]
     a, b = weights(sft_reference), weights(project / out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in history(project / out)] == [r["loss"] for r in history(sft_reference)]
@@ -77,7 +77,7 @@ def test_one_and_two_workers_same_loss_curve(project, ray_head):
     curves = {}
     for n, zero in ((1, 0), (2, 2)):  # 2 workers under ZeRO-2: data parallelism and sharding at once
         out = f"artifacts/sft_w{n}_z{zero}"
-        proc = run_stage(project, ray_head, "sft", "--set", "sft.max_steps=5", "--set", "sft.global_batch_size=16",
+        proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=5", "--set", "sft.global_batch_size=16",
                          "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}", "--set", f"sft.output_dir={out}",
                          "--set", "sft.eval_max_new_tokens=2")
         assert proc.returncode == 0, proc.stdout[-3000:]
@@ -102,9 +102,9 @@ def test_bad_inputs_have_clear_errors(project, ray_head, tmp_path):
     assert proc.returncode != 0 and "model_path 'artifacts/nope' does not exist" in proc.stdout + proc.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "Q: 1+1= A:"}\n' * 3 + '{"prompt": "Q: 1+1= A:", "response": " 2"}\n')
-    proc = run_stage(project, ray_head, "sft", "--set", f"sft.train_data={bad}", "--set", "sft.output_dir=artifacts/sft_bad")
+    proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", f"sft.train_data={bad}", "--set", "sft.output_dir=artifacts/sft_bad")
     assert proc.returncode != 0 and "3 of 4 rows (75.0%) rejected" in proc.stdout + proc.stderr
-    proc = run_stage(project, ray_head, "sft", "--set", "sft.max_len=5", "--set", "sft.output_dir=artifacts/sft_bad")
+    proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_len=5", "--set", "sft.output_dir=artifacts/sft_bad")
     assert proc.returncode != 0 and "over max_len=5 tokens" in proc.stdout + proc.stderr
     proc = rlhf("stage", "run", "sft", "--params", "none.yaml", "--set", "sft.lrr=1", cwd=project)
     assert proc.returncode == 2 and "sft.lr," in proc.stderr
