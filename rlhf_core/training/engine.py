@@ -23,6 +23,15 @@ def init_distributed(rank: int, world_size: int, master_port: int, backend: str 
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op at every process-group
+        # start: ~50-80 s of both cores whenever the build flags differ from the cached build, and a
+        # build killed midway leaves a file lock on which every later worker waits forever (seen: all
+        # stages hung in FileBaton.wait).  Only DeepSpeed's inference all-reduce uses that op;
+        # training reduces through torch.distributed (gloo), so the op is skipped.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 

@@ -24,10 +24,18 @@ def test_labels_correct_and_wrong_fraction():
     assert {k: len(v) for k, v in s.items()} == {"eval": 50, "eval_pref": 50, "sft": 300, "pref": 200, "rl": 200}
     for row in s["rl"] + s["eval"]:
         assert int(row["label"]) == _answer(row["prompt"])
-    wrong = [r for r in s["sft"] if not r["correct"]]
-    assert len(wrong) == 30
     for r in s["sft"]:
         assert (int(r["response"]) == _answer(r["prompt"])) == r["correct"]
+    # 10% random wrong answers, plus the annotator's slip: on subtraction prompts most answers are
+    # written digit-reversed; addition-only prompts keep the 10%
+    answers = {r["id"]: f"{_answer(r['prompt']):02d}" for r in s["sft"]}
+    minus = [r for r in s["sft"] if "-" in r["prompt"]]
+    plus = [r for r in s["sft"] if "-" not in r["prompt"]]
+    reversed_ = [r for r in minus if not r["correct"] and r["response"].strip() == answers[r["id"]][::-1]]
+    assert 0.45 < len(reversed_) / len(minus) < 0.8   # 0.75 of the 90% not drawn wrong, palindromes stay right
+    assert sum(not r["correct"] for r in plus) / len(plus) < 0.2
+    none = generate_task(TaskConfig(**{**SMALL.__dict__, "sft_slip": "none"}), seed=0)
+    assert sum(not r["correct"] for r in none["sft"]) == 30
     for r in s["pref"] + s["eval_pref"]:
         assert int(r["chosen"]) == _answer(r["prompt"])
         assert r["rejected"] != r["chosen"] and int(r["rejected"]) >= 0

@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_core.runtime.cluster import LocalRayHead
 
-PRINT_GCS = "python -c \"import ray; ray.init(address='auto'); print('GCS', ray.get_runtime_context().gcs_address)\""
+PRINT_GCS = sys.executable + " -c \"import ray; ray.init(address='auto'); print('GCS', ray.get_runtime_context().gcs_address)\""
 
 
 @pytest.mark.integration

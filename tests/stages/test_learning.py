@@ -25,7 +25,7 @@ def stage(project, ray_head, name: str, out: str, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def pretrained(project, ray_head):
     m = stage(project, ray_head, "pretrain", "artifacts/learn_pretrain", "--set", "pretrain.max_steps=150", "--set", "pretrain.save_steps=150",
-              "--set", "pretrain.mixed_precision=bf16", "--set", "pretrain.cpus_per_worker=2")
+              "--set", "pretrain.mixed_precision=bf16")
     return "artifacts/learn_pretrain/model", m
 
 
@@ -48,8 +48,8 @@ def test_sft_learns_the_format_and_the_annotators_slip(sft, pretrained):
 
 @pytest.fixture(scope="module")
 def reward_model(project, ray_head, sft):
-    m = stage(project, ray_head, "rm", "artifacts/learn_rm", "--set", f"rm.model_path={sft[0]}", "--set", "rm.max_steps=200",
-              "--set", "rm.save_steps=200", "--set", "rm.pooling=response_sum")
+    m = stage(project, ray_head, "rm", "artifacts/learn_rm", "--set", f"rm.model_path={sft[0]}", "--set", "rm.max_steps=100",
+              "--set", "rm.save_steps=100", "--set", "rm.pooling=logprob", "--set", "rm.lr=1e-4")
     return "artifacts/learn_rm/model", m
 
 

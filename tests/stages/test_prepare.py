@@ -61,7 +61,9 @@ def test_transformers_loads_and_generates(prepared):
     base = prepared / "artifacts" / "base"
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
-    assert model.config.head_dim == 64 and model.config.model_type == "llama"
+    # Qwen3: Llama plus per-head RMSNorm on q and k (QK-norm), loaded natively by transformers and vLLM
+    assert model.config.head_dim == 64 and model.config.model_type == "qwen3"
+    assert hasattr(model.model.layers[0].self_attn, "q_norm")
     ids = tok("Q: 12+30= A:", return_tensors="pt").input_ids
     assert ids[0, 0].item() == tok.bos_token_id
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
