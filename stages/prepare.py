@@ -24,7 +24,8 @@ log = logging.getLogger("rlhf.prepare")
 
 # split name -> (file in data/, schema kind for validation)
 SPLITS = {"sft": ("sft.jsonl", "sft"), "pref": ("prefs.jsonl", "pref"), "rl": ("rl.jsonl", "rl"),
-          "eval": ("eval.jsonl", "rl"), "eval_pref": ("eval_prefs.jsonl", "pref"), "pretrain": ("pretrain.jsonl", "text")}
+          "eval": ("eval.jsonl", "rl"), "eval_pref": ("eval_prefs.jsonl", "pref"),
+          "eval_pref_random": ("eval_prefs_random.jsonl", "pref"), "pretrain": ("pretrain.jsonl", "text")}
 
 
 @dataclass(frozen=True, kw_only=True)

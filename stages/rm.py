@@ -15,7 +15,8 @@ On the embedded task (docs/benchmarks.md, "the learning chain") `response_sum` l
 one position earlier, while `last` must route every digit's verdict to one position -- and
 `logprob` starts where the others end: the sft model already ranks most held-out pairs right by
 likelihood, so BT training only has to correct what sft got wrong.
-Metrics: `eval/pair_accuracy` on held-out pairs and the reward mean/std there, saved with the model
+Metrics: `eval/pair_accuracy` on held-out near-miss pairs (`eval/pair_accuracy_random` on the same
+prompts with random wrong answers) and the reward mean/std there, saved with the model
 (`reward_stats.json`, with the pooling) for the rl stage's normalisation.
 """
 from __future__ import annotations
@@ -38,6 +39,10 @@ class Config(TrainConfig):
     model_path: str | None = "artifacts/sft/model"
     train_data: str = "data/prefs.jsonl"
     eval_data: str = "data/eval_prefs.jsonl"
+    """Held-out pairs whose rejected answer is a near miss (off by one or ten, swapped digits)."""
+    eval_random_data: str | None = "data/eval_prefs_random.jsonl"
+    """The same held-out prompts with a random wrong number rejected (`eval/pair_accuracy_random`);
+    None, or a file that does not exist, skips it."""
     output_dir: str = "artifacts/rm"
     max_steps: int = 150
     save_steps: int = 50
@@ -89,14 +94,22 @@ def build_spec(cfg: Config, out_dir: Path):
     fmt = common.prompt_formatter(tokenizer, False)
     pairs = common.load_pairs(cfg.train_data, cfg, tokenizer, fmt, out_dir / "rejects", "train")
     eval_pairs = common.load_pairs(cfg.eval_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval")
+    random_pairs = (common.load_pairs(cfg.eval_random_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval_random")
+                    if cfg.eval_random_data and Path(cfg.eval_random_data).exists() else None)
     collate = common.CollatePairs(tokenizer.pad_token_id)
 
+    def pair_rewards(group, pairs) -> list:
+        return group.call_rank0("evaluate", common.batches(collate, pairs, cfg.eval_batch_size), partial(pair_rewards_fn, pooling=cfg.pooling))
+
     def evaluate(group) -> dict:
-        pr = group.call_rank0("evaluate", common.batches(collate, eval_pairs, cfg.eval_batch_size), partial(pair_rewards_fn, pooling=cfg.pooling))
+        pr = pair_rewards(group, eval_pairs)
         flat = [r for pair in pr for r in pair]
         mean = sum(flat) / len(flat)
         std = (sum((r - mean) ** 2 for r in flat) / max(1, len(flat) - 1)) ** 0.5
-        return {"eval/pair_accuracy": sum(c > r for c, r in pr) / len(pr), "eval/reward_mean": mean, "eval/reward_std": std}
+        out = {"eval/pair_accuracy": sum(c > r for c, r in pr) / len(pr), "eval/reward_mean": mean, "eval/reward_std": std}
+        if random_pairs:
+            out["eval/pair_accuracy_random"] = sum(c > r for c, r in pair_rewards(group, random_pairs)) / len(random_pairs)
+        return out
 
     spec = StageSpec(name="rm", model_path=cfg.model_path, model_kind=MODEL_KINDS[cfg.pooling], examples=pairs,
                      collate=collate, loss_fn=partial(loss_fn, loss=cfg.loss, margin=cfg.margin, pooling=cfg.pooling), counts=common.count_pairs,

@@ -146,7 +146,7 @@ def _unique_problems(rng: random.Random, cfg: TaskConfig, n: int, exclude: set[s
 
 
 def generate_task(cfg: TaskConfig, seed: int) -> dict[str, list[dict]]:
-    """All splits as lists of rows: sft, pref, rl, eval, eval_pref.  Deterministic in `seed`."""
+    """All splits as lists of rows: sft, pref, rl, eval, eval_pref, eval_pref_random.  Deterministic in `seed`."""
     rng = random.Random(seed)
     held_out = _unique_problems(rng, cfg, cfg.num_eval + cfg.num_eval_pref, exclude=set())
     eval_exprs = {e for e, _ in held_out}
@@ -178,13 +178,28 @@ def generate_task(cfg: TaskConfig, seed: int) -> dict[str, list[dict]]:
         {"id": f"rl-{i:06d}", "prompt": format_prompt(expr), "label": answer_text(cfg, ans)}
         for i, (expr, ans) in enumerate(_unique_problems(rng, cfg, cfg.num_rl, exclude=eval_exprs))
     ]
+    # the same held-out prompts with a random wrong number as the rejected answer: a reward model
+    # should find these easier than the near misses (its own rng: the other splits do not move)
+    far = random.Random(f"{seed}-eval-pref-random")
+    top = max(int(r["chosen"]) for r in splits["eval_pref"]) if splits["eval_pref"] else 0
+    splits["eval_pref_random"] = [
+        {**r, "id": r["id"].replace("eval_pref", "eval_pref_random"), "rejected": format_response(answer_text(cfg, random_wrong(far, int(r["chosen"]), top)))}
+        for r in splits["eval_pref"]
+    ]
     check_no_overlap(splits)
     return splits
 
 
+def random_wrong(rng: random.Random, answer: int, top: int) -> int:
+    """A wrong number drawn uniformly from [0, max(top, 9)] (never the answer)."""
+    while (x := rng.randint(0, max(top, 9))) == answer:
+        pass
+    return x
+
+
 def check_no_overlap(splits: dict[str, list[dict]]) -> None:
     """Raise if any held-out prompt (eval, eval_pref) appears in a training split."""
-    held = {r["prompt"] for name in ("eval", "eval_pref") for r in splits.get(name, [])}
+    held = {r["prompt"] for name in ("eval", "eval_pref", "eval_pref_random") for r in splits.get(name, [])}
     for name in ("sft", "pref", "rl"):
         leaked = held & {r["prompt"] for r in splits.get(name, [])}
         if leaked:

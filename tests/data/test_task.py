@@ -21,7 +21,7 @@ def test_deterministic_and_seeded():
 
 def test_labels_correct_and_wrong_fraction():
     s = generate_task(SMALL, seed=0)
-    assert {k: len(v) for k, v in s.items()} == {"eval": 50, "eval_pref": 50, "sft": 300, "pref": 200, "rl": 200}
+    assert {k: len(v) for k, v in s.items()} == {"eval": 50, "eval_pref": 50, "eval_pref_random": 50, "sft": 300, "pref": 200, "rl": 200}
     for row in s["rl"] + s["eval"]:
         assert int(row["label"]) == _answer(row["prompt"])
     for r in s["sft"]:
@@ -36,9 +36,13 @@ def test_labels_correct_and_wrong_fraction():
     assert sum(not r["correct"] for r in plus) / len(plus) < 0.2
     none = generate_task(TaskConfig(**{**SMALL.__dict__, "sft_slip": "none"}), seed=0)
     assert sum(not r["correct"] for r in none["sft"]) == 30
-    for r in s["pref"] + s["eval_pref"]:
+    for r in s["pref"] + s["eval_pref"] + s["eval_pref_random"]:
         assert int(r["chosen"]) == _answer(r["prompt"])
         assert r["rejected"] != r["chosen"] and int(r["rejected"]) >= 0
+    # near misses are within 10 of the answer or its digit swap; random wrong answers mostly are not
+    assert [r["prompt"] for r in s["eval_pref_random"]] == [r["prompt"] for r in s["eval_pref"]]
+    far = [abs(int(r["rejected"]) - int(r["chosen"])) > 10 for r in s["eval_pref_random"]]
+    assert sum(far) / len(far) > 0.6
 
 
 def test_no_overlap_and_overlap_detected():
