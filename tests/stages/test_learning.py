@@ -65,7 +65,8 @@ def test_dpo_lifts_accuracy_above_sft(project, ray_head, sft):
 
 
 RL = ["--set", "rl.max_steps=10", "--set", "rl.save_steps=10", "--set", "rl.eval_steps=0", "--set", "rl.pass_k=1",
-      "--set", "rl.sync_check_prompts=0", "--set", "rl.engine=hf"]
+      "--set", "rl.sync_check_prompts=0", "--set", "rl.engine=hf", "--set", "rl.prompts_per_step=32", "--set", "rl.global_batch_size=256",
+      "--set", "rl.lr=1e-4", "--set", "rl.warmup_steps=3"]
 
 
 def test_rlvr_lifts_gold_accuracy(project, ray_head, sft):
