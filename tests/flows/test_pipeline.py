@@ -107,7 +107,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
         champion = json.loads((root / "artifacts" / "champion" / "champion.json").read_text())
         best = max(("sft", "dpo", "rl@rlhf", "rl@rlvr"), key=lambda st: json.loads((root / "artifacts" / st / "metrics.json").read_text())["eval/accuracy"])
         assert champion["source"] in {f"artifacts/{st}" for st in ("sft", "dpo", "rl@rlhf", "rl@rlvr")}, champion
-        assert json.loads((root / "artifacts" / champion["source"] / "metrics.json").read_text())["eval/accuracy"] == \
+        assert json.loads((root / champion["source"] / "metrics.json").read_text())["eval/accuracy"] == \
             json.loads((root / "artifacts" / best / "metrics.json").read_text())["eval/accuracy"]  # the best candidate by gold accuracy
         assert (root / "artifacts" / "champion" / "model" / "model.safetensors").exists()
         assert sh("dvc", "status", cwd=root, env=env).stdout.strip().endswith("up to date.")
