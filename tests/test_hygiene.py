@@ -36,3 +36,13 @@ def test_an_unmarked_test_is_refused():
 
     with pytest.raises(pytest.UsageError, match=r"no kind marker .*: test_x.py::test_bare$"):
         conftest.pytest_collection_modifyitems(None, [Item("test_x.py::test_marked", {"unit"}), Item("test_x.py::test_bare", set())])
+
+
+@pytest.mark.xdist_group("hygiene")
+def test_xdist_groups_reach_the_scheduler(request):
+    """`make test` runs `--dist loadgroup`: tests of one xdist_group share a worker and its module
+    fixtures (test_learning's chain).  pytest 9 with pytest-xdist 3.8 silently dropped the groups
+    (xdist tags `Node._nodeid`, pytest 9 reads `Node._id`), so every worker rebuilt the chain."""
+    if not getattr(request.config.option, "loadgroup", False):  # set in each xdist worker
+        pytest.skip("not under --dist loadgroup")
+    assert request.node.nodeid.endswith("@hygiene"), request.node.nodeid
