@@ -33,8 +33,10 @@ class Config(TrainConfig):
     loss_type: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
     label_smoothing: float = 0.0
     """cDPO label noise (with loss_type cdpo)."""
-    nll_coef: float = 0.0
-    """Weight of the chosen-response NLL term (RPO); 0 disables it."""
+    nll_coef: float = 1.0
+    """Weight of the chosen-response NLL term (RPO, Pang et al. 2024); 0 is plain DPO.  On the
+    default task's near-miss pairs plain DPO lowers both responses' likelihood and greedy accuracy
+    falls (sft 0.80 -> 0.49 in 30 steps, 0.695 in 100); with the term: 0.975 and 0.99."""
 
 
 # --- maths: run inside the workers ---------------------------------------------------------

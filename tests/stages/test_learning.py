@@ -1,14 +1,15 @@
 """Each stage of the default chain learns: pretrain -> sft -> rm, dpo -> rl on the reward model
 (RLHF) and on the verifiable reward (RLVR), on the default task (`rlhf prepare` with its embedded
-defaults) with the default recipe, shorter where a stage learns early.  Every assertion is a
-threshold well above what the stage's input already does, so a stage that stops learning fails
-here (the machinery tests elsewhere train a few steps and check outputs, not learning).  The
-figures of a full-budget run are in docs/benchmarks.md ("the default chain, stage by stage")."""
+defaults) with the default recipe (params.yaml's; dpo shorter, since it learns early).  Every
+assertion is a threshold well above what the stage's input already does, so a stage that stops
+learning fails here (the machinery tests elsewhere train a few steps and check outputs, not
+learning).  The runs are deterministic (seed 0): these are the figures of README's table and
+docs/benchmarks.md ("the default chain, stage by stage"), commented beside each threshold."""
 import json
 
 import pytest
 
-from conftest import rlhf, run_stage
+from conftest import rlhf
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("learning")]
 
@@ -24,7 +25,9 @@ def chain_project(tmp_path_factory):
 
 def stage(project, ray_head, name: str, out: str, *args: str) -> dict:
     section = name.split("@")[0]
-    proc = run_stage(project, ray_head, name, "--set", f"{section}.output_dir={out}", *args)
+    # rl runs ~5 min alone and slower beside the other pytest worker: more than rlhf()'s 600 s default
+    proc = rlhf("stage", "run", name, "--params", "none.yaml", "--set", f"{section}.output_dir={out}", *args, cwd=project,
+                env={"RAY_ADDRESS": ray_head}, timeout=850)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return json.loads((project / out / "metrics.json").read_text())
 
@@ -38,30 +41,30 @@ def pretrained(chain_project, ray_head):
 
 @pytest.fixture(scope="module")
 def sft(chain_project, ray_head, pretrained):
-    m = stage(chain_project, ray_head, "sft", "artifacts/learn_sft", "--set", f"sft.model_path={pretrained[0]}", "--set", "sft.max_steps=150",
-              "--set", "sft.save_steps=150", "--set", "sft.log_steps=50")
+    m = stage(chain_project, ray_head, "sft", "artifacts/learn_sft", "--set", f"sft.model_path={pretrained[0]}", "--set", "sft.save_steps=300",
+              "--set", "sft.log_steps=50")
     return "artifacts/learn_sft/model", m
 
 
 def test_pretrain_learns_the_task_from_the_corpus(pretrained):
     m = pretrained[1]
-    assert m["eval/accuracy_init"] == 0.0 and m["eval/accuracy"] >= 0.4 and m["eval/loss"] < 1.0, m
+    assert m["eval/accuracy_init"] == 0.0 and m["eval/accuracy"] >= 0.4 and m["eval/loss"] < 1.0, m  # 0.665, loss 0.57
 
 
 def test_sft_learns_the_format_and_the_annotators_slip(sft, pretrained):
     m = sft[1]
-    assert m["eval/accuracy"] >= 0.6 and m["eval/loss"] < pretrained[1]["eval/loss"] - 0.2, m
+    assert m["eval/accuracy"] >= 0.6 and m["eval/loss"] < pretrained[1]["eval/loss"] - 0.2, m  # 0.83, loss 0.21
 
 
 @pytest.fixture(scope="module")
 def reward_model(chain_project, ray_head, sft):
-    m = stage(chain_project, ray_head, "rm", "artifacts/learn_rm", "--set", f"rm.model_path={sft[0]}", "--set", "rm.max_steps=100",
-              "--set", "rm.save_steps=100", "--set", "rm.pooling=logprob", "--set", "rm.lr=1e-4")
+    m = stage(chain_project, ray_head, "rm", "artifacts/learn_rm", "--set", f"rm.model_path={sft[0]}", "--set", "rm.save_steps=150",
+              "--set", "rm.pooling=logprob", "--set", "rm.lr=1e-4")
     return "artifacts/learn_rm/model", m
 
 
 def test_rm_judges_held_out_pairs(reward_model):
-    m = reward_model[1]
+    m = reward_model[1]  # near 0.985 -> 1.0, random 0.995 -> 1.0
     assert m["eval/pair_accuracy"] >= 0.9 and m["eval/pair_accuracy_random"] >= 0.9, m
     assert m["eval/pair_accuracy"] >= m["eval/pair_accuracy_init"], m
 
@@ -69,21 +72,28 @@ def test_rm_judges_held_out_pairs(reward_model):
 def test_dpo_lifts_accuracy_above_sft(chain_project, ray_head, sft):
     m = stage(chain_project, ray_head, "dpo", "artifacts/learn_dpo", "--set", f"dpo.model_path={sft[0]}", "--set", "dpo.max_steps=30",
               "--set", "dpo.save_steps=30")
-    assert m["eval/accuracy"] > m["eval/accuracy_init"], m
+    # RPO (dpo.nll_coef=1, the default): 0.83 -> 0.975 in 30 steps; plain DPO fell (0.80 -> 0.49)
+    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.1, m
 
 
-RL = ["--set", "rl.max_steps=10", "--set", "rl.save_steps=10", "--set", "rl.eval_steps=0", "--set", "rl.pass_k=1",
-      "--set", "rl.sync_check_prompts=0", "--set", "rl.engine=hf", "--set", "rl.prompts_per_step=64", "--set", "rl.global_batch_size=512",
-      "--set", "rl.lr=1e-4", "--set", "rl.warmup_steps=3"]
+# the default rl recipe (20 steps of 64 prompts x 8 on vLLM, lr 1e-4); no pass@k / sync-check extras.
+# At 10 steps neither variant is there yet (GRPO 0.83, PPO 0.90); on the 150-step sft (0.80) PPO
+# first dips (0.68 at step 5) and ends at 0.84
+RL = ["--set", "rl.eval_steps=0", "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0"]
 
 
 def test_rlvr_lifts_gold_accuracy(chain_project, ray_head, sft):
     m = stage(chain_project, ray_head, "rl", "artifacts/learn_rlvr", "--set", f"rl.model_path={sft[0]}", "--set", "rl.algo=grpo", *RL)
-    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.05, m
+    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.83 -> 0.945
 
 
 def test_rlhf_on_the_reward_model_lifts_gold_accuracy(chain_project, ray_head, sft, reward_model):
     m = stage(chain_project, ray_head, "rl", "artifacts/learn_rlhf", "--set", f"rl.model_path={sft[0]}", "--set", "rl.algo=ppo",
               "--set", f"rl.reward_model={reward_model[0]}", *RL)
-    assert "train/reward_gold" in m and "train/reward_proxy" in m
-    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.05, m
+    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.83 -> 0.96
+    # optimising the reward model raised the gold (verifiable) reward of the samples with it
+    rows = [json.loads(line) for line in (chain_project / "artifacts/learn_rlhf/train_history.jsonl").read_text().splitlines()]
+    first, last = rows[:3], rows[-3:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "train/reward_proxy") > mean(first, "train/reward_proxy") + 0.2, (first, last)
+    assert mean(last, "train/reward_gold") > mean(first, "train/reward_gold") + 0.1, (first, last)
