@@ -17,17 +17,15 @@ import os
 import subprocess
 from pathlib import Path
 
+import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run, task_run
 from prefect.states import Completed, State
 
 from flows import promotion
+from rlhf_core import registry
 
-STAGES = ["prepare", "pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr"]
-DEFAULT_STAGES = list(STAGES)
-CANDIDATES = ["sft", "dpo", "rl@rlhf", "rl@rlvr"]
-"""Stages whose model/ may become the champion."""
 
 
 class StageFailed(RuntimeError):
@@ -181,10 +179,12 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
     its `data/`, a DVC-tracked output of `prepare`); `retries`: per stage, for transient failures
     (a retried stage resumes from its checkpoint)."""
     root = Path(repo).resolve()
-    chosen = [s for s in STAGES if s in (stages or DEFAULT_STAGES)]
-    unknown = set(stages or []) - set(STAGES)
+    params = yaml.safe_load((root / "params.yaml").read_text()) or {}
+    order = registry.dag(params)  # DAG order, variants expanded (rl -> rl@rlhf, rl@rlvr)
+    chosen = [s for s in order if s in (stages or order)]
+    unknown = set(stages or []) - set(order)
     if unknown:
-        raise ValueError(f"unknown stages {sorted(unknown)}; valid: {STAGES}")
+        raise ValueError(f"unknown stages {sorted(unknown)}; valid: {order}")
     from rlhf_core.runtime.cluster import shared_head
 
     with repo_lock(root), shared_head():  # one Ray head for every stage of the run
@@ -192,15 +192,10 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
         if push:
             ensure_remote(root)
         task = run_stage.with_options(retries=retries)
-        run = lambda stage: _value(task(stage, str(root), push)) if stage in chosen else None  # noqa: E731
-        # one line per stage, in DAG order; each starts after the one before finished
-        results = {"prepare": run("prepare")}
-        results["pretrain"] = run("pretrain")
-        results["sft"] = run("sft")
-        results["rm"] = run("rm")
-        results["dpo"] = run("dpo")
-        results["rl@rlhf"] = run("rl@rlhf")
-        results["rl@rlvr"] = run("rl@rlvr")
+        results = {}
+        for stage in order:  # in DAG order, each after the one before finished
+            results[stage] = _value(task(stage, str(root), push)) if stage in chosen else None
         # the candidates: every policy the DAG trains; the gate picks by gold eval/accuracy
-        decision = promotion.gate(root, CANDIDATES, promotion_margin, str(flow_run.id or "")) if promote and chosen else None
+        candidates = registry.candidates(params)
+        decision = promotion.gate(root, candidates, promotion_margin, str(flow_run.id or "")) if promote and chosen else None
     return {"stages": results, "promotion": decision}

@@ -24,18 +24,19 @@ import logging
 import os
 import sys
 
-from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config, split_stage
+from rlhf_core import registry
+from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config
 from rlhf_core.data.io import DataError, load_rows
 
-# stage name -> module with `Config` and `run(cfg)`; one line per stage
-STAGES = {"prepare": "stages.prepare", "pretrain": "stages.pretrain", "sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo", "rl": "stages.rl"}
+STAGE_NAMES = ", ".join(registry.BY_NAME)
 
 
 def _stage_module(name: str):
-    section, _ = split_stage(name)  # `rl@rlhf`: a variant of rl (params.yaml rl_variants.rlhf)
-    if section not in STAGES:
-        raise SystemExit(f"rlhf: unknown stage {name!r}; valid stages: {', '.join(STAGES)} (a variant: STAGE@NAME)")
-    return importlib.import_module(STAGES[section])
+    """The module of stage `name` (`rl@rlhf`: a variant of rl, params.yaml rl_variants.rlhf)."""
+    try:
+        return importlib.import_module(registry.get(name).module)
+    except KeyError as e:
+        raise SystemExit(f"rlhf: {e.args[0]}") from None
 
 
 def _resolve(stage: str, args) -> object:
@@ -180,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stage = sub.add_parser("stage", help="run pipeline stages").add_subparsers(dest="stage_command", required=True)
     p = with_config(stage.add_parser("run", help="run one stage as a Ray job; resumes from its last checkpoint"))
-    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
+    p.add_argument("stage", help=f"one of: {STAGE_NAMES}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
     p.add_argument("--detach", action="store_true",
                    help="with RAY_ADDRESS: submit, print the job id and how to follow it, and exit; the job runs on "
                         "(without it, the job is stopped when this command ends or dies)")
@@ -196,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pipeline = sub.add_parser("pipeline", help="the Prefect flow over the DVC pipeline").add_subparsers(dest="pipeline_command", required=True)
     p = pipeline.add_parser("run", help="run alignment-pipeline now: each stage via `dvc repro -s` (unchanged ones skipped), then the promotion gate")
-    p.add_argument("--stages", help="comma-separated subset, e.g. rl@rlvr (default: prepare,pretrain,sft,rm,dpo,rl@rlhf,rl@rlvr)")
+    p.add_argument("--stages", help="comma-separated subset, e.g. rl@rlvr (default: every stage of dvc.yaml, in order)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="param override, written into params.yaml")
     p.add_argument("--repo", default=".", help="project directory (default: .)")
     p.add_argument("--margin", type=float, default=0.0, help="promotion: accept if eval/accuracy >= champion - margin")
@@ -225,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
     p = with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))
-    p.add_argument("stage", help=f"one of: {', '.join(STAGES)}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
+    p.add_argument("stage", help=f"one of: {STAGE_NAMES}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
     p.set_defaults(func=cmd_config_show)
 
     data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)

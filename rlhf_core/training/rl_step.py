@@ -35,17 +35,17 @@ def compute_advantages(samples: list[dict], algo: str, kl_coef: float, kl_in_rew
                        lam: float, whiten_gae: bool, reward_clip: float | None) -> dict:
     """Fill `advantages`, `returns`, `kl` (per token) and `centred_score` in each sample; return
     batch stats.  Scores must be finite (invalid samples are removed before this)."""
-    baseline, estimator = ALGO_RECIPES[algo]
+    recipe = ALGO_RECIPES[algo]
     mask = response_matrix(samples, "action_mask")
     old, ref = response_matrix(samples, "old_logprobs"), response_matrix(samples, "ref_logprobs")
-    values = response_matrix(samples, "old_values") if estimator == "gae" else None
+    values = response_matrix(samples, "old_values") if recipe.needs_critic else None
     scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
     groups = torch.tensor([s["group"] for s in samples])
-    centred = SCORE_BASELINES[baseline](scores, groups)
+    centred = SCORE_BASELINES[recipe.baseline](scores, groups)
     kl = kl_penalty(old, ref, kl_estimator) * mask
     token_rewards = kl_shaped_rewards(centred, kl, mask, kl_coef if kl_in_reward else 0.0, reward_clip)
-    adv, ret = ESTIMATORS[estimator](token_rewards, values, mask, gamma, lam)
-    if estimator == "gae" and whiten_gae:
+    adv, ret = ESTIMATORS[recipe.estimator](token_rewards, values, mask, gamma, lam)
+    if recipe.estimator == "gae" and whiten_gae:
         adv = masked_whiten(adv, mask)
     for i, s in enumerate(samples):
         n = len(s["action_mask"])

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rlhf_core.algos.advantages import (
-    ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES, discounted_returns, dr_grpo_baseline, gae,
+    ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES, Recipe, discounted_returns, dr_grpo_baseline, gae,
     grpo_baseline, rloo_baseline, whitened_returns,
 )
 
@@ -102,6 +102,23 @@ def test_whitened_returns_are_white_over_mask():
 
 
 def test_recipes_refer_to_known_parts():
-    for algo, (baseline, estimator) in ALGO_RECIPES.items():
-        assert baseline in SCORE_BASELINES and estimator in ESTIMATORS, algo
+    for algo, recipe in ALGO_RECIPES.items():
+        assert recipe.baseline in SCORE_BASELINES and recipe.estimator in ESTIMATORS, algo
     assert set(ALGO_RECIPES) == {"ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+
+
+def test_recipe_derives_groups_and_critic():
+    """The driver asks the recipe: a GAE algorithm gets a critic whatever its name."""
+    assert ALGO_RECIPES["ppo"].needs_critic and not ALGO_RECIPES["ppo"].uses_groups
+    assert {a for a, r in ALGO_RECIPES.items() if r.uses_groups} == {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+    assert {a for a, r in ALGO_RECIPES.items() if r.needs_critic} == {"ppo"}
+    assert Recipe("group_mean", "gae").needs_critic and Recipe("group_mean", "gae").uses_groups
+
+
+def test_rl_config_algos_are_the_registry():
+    """rl's `algo` Literal and ALGO_RECIPES name the same algorithms (a new recipe must be selectable)."""
+    import typing
+
+    from stages.rl import Config
+
+    assert set(typing.get_args(typing.get_type_hints(Config)["algo"])) == set(ALGO_RECIPES)
