@@ -32,9 +32,11 @@ run: setup
 	$(BIN)/rlhf pipeline run
 	$(BIN)/dvc metrics show
 
-# two pytest workers (three overloaded the 2 cores: slower, and Ray heads lost nodes);
-# xdist_group marks keep tests that share a fixture on one worker
+# the linter first (seconds; pyproject.toml [tool.ruff]), then two pytest workers (three overloaded
+# the 2 cores: slower, and Ray heads lost nodes); xdist_group marks keep tests that share a fixture
+# on one worker
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 test-unit: setup

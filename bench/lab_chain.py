@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlhf_core.data.task import TaskConfig, answer_text, draw_problem, format_prompt, generate_task, plausible_wrong  # noqa: E402
+from rlhf_core.data.task import TaskConfig, answer_text, draw_problem, generate_task, plausible_wrong  # noqa: E402
 from rlhf_core.models.tiny import build_tokenizer  # noqa: E402
 
 
@@ -34,7 +34,8 @@ def corpus_docs(cfg: TaskConfig, rng: random.Random, n_problems: int, held: set[
         stale = 0
         seen.add(expr)
         c = answer_text(cfg, ans)
-        w = answer_text(cfg, plausible_wrong(rng, ans, cfg.allow_negative)) if rng.random() < 0.5 else answer_text(cfg, rng.randint(0, 2 * cfg.max_value))
+        near = rng.random() < 0.5
+        w = answer_text(cfg, plausible_wrong(rng, ans, cfg.allow_negative) if near else rng.randint(0, 2 * cfg.max_value))
         if w == c:
             w = answer_text(cfg, ans + 1)
         for f in formats:
@@ -212,7 +213,6 @@ def rm_inputs(tok, prompt, resp, read):
 
 
 def train_rm(lm, tok, pairs, eval_sets, a, dev, rng):
-    import copy
 
     from transformers import AutoModelForSequenceClassification
     tmp = Path(a.tmp) / f"lm-{a.tag}-{a.seed}"
@@ -237,7 +237,7 @@ def train_rm(lm, tok, pairs, eval_sets, a, dev, rng):
     opt = make_opt(rm, a.rm_lr, 0.0)
 
     def scores(batch):
-        seqs = [rm_inputs(tok, p["prompt"], p["chosen"], a.rm_read) for p in batch] + [rm_inputs(tok, p["prompt"], p["rejected"], a.rm_read) for p in batch]
+        seqs = [rm_inputs(tok, p["prompt"], p[side], a.rm_read) for side in ("chosen", "rejected") for p in batch]
         plen = [len(tok(p["prompt"]).input_ids) for p in batch] * 2
         ids, att = pad(seqs, tok.pad_token_id, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):

@@ -26,13 +26,13 @@ def run(line: str, deadline: float) -> dict:
 
 
 def main():
-    configs = [l.strip() for l in Path(sys.argv[1]).read_text().splitlines() if l.strip() and not l.startswith("#")]
+    configs = [line.strip() for line in Path(sys.argv[1]).read_text().splitlines() if line.strip() and not line.startswith("#")]
     out = Path(sys.argv[2])
     par = int(sys.argv[sys.argv.index("--parallel") + 1]) if "--parallel" in sys.argv else 12
     budget = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sys.argv else 480
     deadline = time.time() + budget
     with ThreadPoolExecutor(par) as ex, open(out, "a") as f:
-        for res in ex.map(lambda l: run(l, deadline), configs):
+        for res in ex.map(lambda line: run(line, deadline), configs):
             f.write(json.dumps(res) + "\n")
             f.flush()
             if "error" in res:

@@ -33,7 +33,8 @@ def main() -> None:
     with LocalRayHead() as head:
         for algo in args.algos.split(","):
             out = f"bench/results/rl_{algo}"
-            sets = [f"rl.algo={algo}", f"rl.max_steps={args.steps}", f"rl.engine={args.engine}", f"rl.output_dir={out}", "rl.resume=false", *args.extra]
+            sets = [f"rl.algo={algo}", f"rl.max_steps={args.steps}", f"rl.engine={args.engine}", f"rl.output_dir={out}", "rl.resume=false",
+                    *args.extra]
             cmd = [sys.executable, "-m", "rlhf_core.cli", "stage", "run", "rl", *[x for s in sets for x in ("--set", s)]]
             t0 = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": head.job_address})
@@ -45,7 +46,8 @@ def main() -> None:
             m = json.loads(Path(out, "metrics.json").read_text())
             results[algo] = {"accuracy_init": m["eval/accuracy_init"], "accuracy": m["eval/accuracy"], "best": m["best/eval_accuracy"],
                              "reward_final": m["train/reward_mean"], "train_wall_s": m["train/wall_s"], "job_wall_s": round(wall, 1),
-                             **({"success_rate_init": m["eval/success_rate_init"], "success_rate": m["eval/success_rate"]} if "eval/success_rate" in m else {})}
+                             **({"success_rate_init": m["eval/success_rate_init"], "success_rate": m["eval/success_rate"]}
+                                if "eval/success_rate" in m else {})}
             print(algo, results[algo], flush=True)
     Path("bench/results").mkdir(parents=True, exist_ok=True)
     Path("bench/results/rl_algos.json").write_text(json.dumps(results, indent=2))

@@ -27,7 +27,6 @@ from flows import promotion
 from rlhf_core import registry
 
 
-
 class StageFailed(RuntimeError):
     pass
 
@@ -97,7 +96,8 @@ def run_stage(stage: str, repo: str, push: bool = True):
     root = Path(repo)
     if not stage_changed(stage, root):
         logger.info("%s: unchanged, skipped", stage)
-        create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "skipped (unchanged)"), description=f"{stage} (skipped)")
+        create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "skipped (unchanged)"),
+                                 description=f"{stage} (skipped)")
         return Completed(message=f"{stage}: unchanged, skipped", data={"stage": stage, "ran": False})
     env = {"RLHF_PREFECT_FLOW_RUN_ID": str(flow_run.id or ""), "RLHF_PREFECT_TASK_RUN_ID": str(task_run.id or "")}
     proc = _dvc(["repro", "-s", stage], root, env, stream=True)

@@ -8,7 +8,8 @@ The swap is atomic: the model, its source manifest and the pointer `champion.jso
 into a new version directory `artifacts/champion/versions/<manifest sha>-<time>/`, then the link
 `artifacts/champion/current` is switched to it with one `rename`; `champion/model` and
 `champion/champion.json` are fixed links into `current`.  A crash at any moment leaves a complete,
-consistent champion: the old one or the new one.  Old versions are deleted only after the switch.  Every decision, accepted or refused, is appended with its reason
+consistent champion: the old one or the new one.  Old versions are deleted only after the switch.
+Every decision, accepted or refused, is appended with its reason
 to `artifacts/champion/decisions.jsonl`: the lineage of the champion.  No torch here: files and
 JSON only.
 """

@@ -28,7 +28,8 @@ def deployments(repo: str, cron: str = "0 2 * * *"):
     full = alignment_pipeline.to_deployment(name="full", parameters=params, concurrency_limit=1,
                                             description="The whole pipeline on demand; unchanged stages are skipped.")
     nightly = alignment_pipeline.to_deployment(name="nightly", cron=cron, parameters=params, concurrency_limit=1,
-                                               description="Nightly retraining: changed data/params rerun the affected stages, then the promotion gate.")
+                                               description="Nightly retraining: changed data/params rerun the affected stages, "
+                                                           "then the promotion gate.")
     return [full, nightly]
 
 

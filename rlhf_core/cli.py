@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("check", help="validate a JSONL/Parquet/HF-datasets file; write rejects with reasons")
     p.add_argument("path")
-    p.add_argument("--kind", required=True, choices=["sft", "pref", "rl"], help="sft: prompt,response; pref: prompt,chosen,rejected; rl: prompt,label")
+    p.add_argument("--kind", required=True, choices=["sft", "pref", "rl"],
+                   help="sft: prompt,response; pref: prompt,chosen,rejected; rl: prompt,label")
     p.add_argument("--rejects", help="rejects file (default: PATH.rejects.jsonl)")
     p.add_argument("--max-chars", type=int, default=4096)
     p.add_argument("--max-reject-ratio", type=float, default=0.05)
@@ -242,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     try:
         return args.func(args)
     except ConfigError as e:

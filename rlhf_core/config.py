@@ -19,8 +19,8 @@ import re
 import types
 import typing
 from pathlib import Path
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
 from typing import Any, Literal, TypeVar, get_args, get_origin
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import yaml
 

@@ -12,4 +12,4 @@ def exact_match_accuracy(completions: list[str], labels: list[str]) -> float:
     """`eval/accuracy`: fraction of completions whose answer equals the label."""
     if not labels:
         return 0.0
-    return sum(completion_answer(c) == str(l).strip() for c, l in zip(completions, labels)) / len(labels)
+    return sum(completion_answer(c) == str(label).strip() for c, label in zip(completions, labels)) / len(labels)

@@ -15,8 +15,9 @@ from typing import Literal
 
 from rlhf_core.algos.losses import dpo_loss, token_logprobs
 from rlhf_core.training import common
+from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import StageSpec, save_final_model, train, upstream_digest
+from rlhf_core.training.loop import StageSpec, save_final_model, train
 
 
 @dataclass(frozen=True, kw_only=True)

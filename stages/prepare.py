@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import current_run_ids, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict
 from rlhf_core.data.corpus import CorpusConfig, build_corpus, check_corpus
@@ -100,8 +101,7 @@ def build_base(cfg: Config, splits: dict[str, list[dict]]) -> dict:
         data_dir=cfg.data_dir, counts=", ".join(f"{k}: {v}" for k, v in counts.items()),
         config_sha=config_hash(cfg), seed=cfg.seed))
     (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    atomic.replace_dir(tmp, out)
     return metrics
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from rlhf_core.data.tokenize import pack_documents
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import StageSpec, save_final_model, train
 from rlhf_core.training.lm import count_tokens, loss_fn, make_evaluate
+from rlhf_core.training.loop import StageSpec, save_final_model, train
 
 log = logging.getLogger("rlhf.pretrain")
 

@@ -29,11 +29,10 @@ from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dyn
 from rlhf_core.artifacts import rollouts as rollout_io
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.runtime import faults
-from rlhf_core.training import common
-from rlhf_core.training import rl_step
+from rlhf_core.training import common, rl_step
+from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, save_checkpoint, start_or_resume
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import (StageSpec, WorkerGroup, load_resumable, resume_inputs, resume_key, resume_point,
-                                     save_checkpoint, save_final_model, take, trim_history)
+from rlhf_core.training.loop import WorkerGroup, save_final_model, take
 
 log = logging.getLogger("rlhf.rl")
 
@@ -177,18 +176,17 @@ class Roles:
         colocated = cfg.layout == "colocated"
         n_roles = 4 + with_critic  # policy, (critic), reference, rollout, reward share a bundle when colocated
         share = 1.0 / n_roles if colocated else 1.0
-        spec = StageSpec(name="rl", model_path=model_path, model_kind="causal_lm", examples=[], collate=None, loss_fn=None,
-                         counts=None, evaluate=None, data_fingerprint="", pad_token_id=pad_id)
         bounded = dict(timeout=cfg.rollout_timeout, timeout_setting="rollout_timeout")  # every call and train step
-        self.policy = WorkerGroup(spec, cfg, share=share, name="policy", **bounded)
-        self.critic = WorkerGroup(spec, replace(cfg, lr=cfg.critic_lr), share=share, pg=self.policy.pg if colocated else None,
-                                  model_kind="value", name="critic", **bounded) if with_critic else None
+        self.policy = WorkerGroup(cfg, model_path, "causal_lm", pad_id, share=share, name="policy", **bounded)
+        self.critic = WorkerGroup(replace(cfg, lr=cfg.critic_lr), model_path, "value", pad_id, share=share,
+                                  pg=self.policy.pg if colocated else None, name="critic", **bounded) if with_critic else None
 
         if not colocated:
             need = cfg.num_workers * cfg.cpus_per_worker * (1 + with_critic) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
             have = ray.cluster_resources().get("CPU", 0)
             if need > have:
-                raise RuntimeError(f"layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{' x2 with the critic' if with_critic else ''}, "
+                critic = " x2 with the critic" if with_critic else ""
+                raise RuntimeError(f"layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{critic}, "
                                    f"rollout {cfg.rollout_workers}x{cfg.rollout_cpus:g}, reference + reward 0.5) but the cluster has {have:g}; "
                                    f"lower rl.rollout_cpus / rl.cpus_per_worker or use rl.layout=colocated")
 
@@ -217,7 +215,8 @@ class Roles:
             cfg.reward_url_retries, builtin, cfg.trust_remote_code)
         self.timeout = cfg.rollout_timeout
         # surface construction errors (bad model path, missing reward file, engine start-up) now
-        self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()], "starting the rollout/reward/reference actors")
+        self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()],
+                 "starting the rollout/reward/reference actors")
 
     def get(self, refs, what: str):
         import ray
@@ -226,6 +225,14 @@ class Roles:
             return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"{what} took longer than rollout_timeout={self.timeout}s") from None
+
+    def trainers(self) -> list[tuple[WorkerGroup, str]]:
+        """The trained groups, each with its subdirectory in a checkpoint."""
+        return [(self.policy, "policy")] + ([(self.critic, "critic")] if self.critic else [])
+
+    def load_checkpoint(self, path: Path) -> None:
+        for group, sub in self.trainers():
+            group.call("load_checkpoint", str(path / sub))
 
     def peak_memory(self) -> dict:
         """Peak resident memory (MiB) of each role's processes, and of this driver."""
@@ -434,7 +441,8 @@ def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_p
         solved = [any(exact_match_accuracy([texts[i * cfg.pass_k + k]], [labels[i]]) for k in range(cfg.pass_k)) for i in range(len(labels))]
         metrics[f"eval/pass@{cfg.pass_k}"] = sum(solved) / len(solved)
     if cfg.agent != "single_turn" or cfg.agent_file:
-        eps = roles.get(w.rollout.remote([r["prompt"] for r in eval_rows], labels, list(range(len(labels))), cfg.max_new_tokens, 0.0), "eval episodes")
+        prompts = [r["prompt"] for r in eval_rows]
+        eps = roles.get(w.rollout.remote(prompts, labels, list(range(len(labels))), cfg.max_new_tokens, 0.0), "eval episodes")
         rewards = [e["env_reward"] for e in eps if e["env_reward"] is not None]
         if rewards:
             metrics["eval/success_rate"] = sum(r > 0 for r in rewards) / len(eps)
@@ -445,165 +453,166 @@ def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_p
 # --- driver ---------------------------------------------------------------------------------
 
 
-def run(cfg: Config) -> dict:
-    from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
+@dataclass
+class Objective:
+    """This run's losses and KL controller, built once from the config."""
+    policy_loss: partial
+    critic_loss: partial
+    kl: AdaptiveKLController | FixedKLController
+    collate: rl_step.RLCollate
 
+    @classmethod
+    def of(cls, cfg: Config, pad_id: int) -> "Objective":
+        policy, critic = make_losses(cfg)
+        kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
+        return cls(policy, critic, kl, rl_step.RLCollate(pad_id))
+
+
+def train_on(roles: Roles, cfg: Config, obj: Objective, kept: list[dict], step: int, times: dict) -> tuple[dict, bool]:
+    """forward -> advantages -> update (policy, then critic) on the kept samples.
+    Returns (the step's training stats, whether every rank skipped the policy update)."""
+    tic = time.time()
+    forward_stats(roles, cfg, kept, obj.collate)
+    adv_stats = rl_step.compute_advantages(kept, cfg.algo, obj.kl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
+                                           cfg.lam, cfg.whiten_gae, cfg.reward_clip)
+    times["forward_s"], tic = time.time() - tic, time.time()
+    if cfg.engine_sleep:
+        roles.sleep_engines()
+    kl_loss_coef = obj.kl.value if cfg.kl_mode == "loss" else 0.0
+    stats = update(roles.policy, cfg, kept, obj.collate, partial(obj.policy_loss, kl_loss_coef=kl_loss_coef), step)
+    row = {}
+    if roles.critic:
+        cstats = update(roles.critic, cfg, kept, obj.collate, obj.critic_loss, step)
+        row.update({f"critic/{k}": sum(r[k] for r in cstats) / len(cstats) for k in ("loss", "value_error") if cstats and k in cstats[0]})
+    times["update_s"] = time.time() - tic
+    row.update({f"train/{k}": sum(r[k] for r in stats) / len(stats) for k in stats[0] if k != "skipped"} if stats else {})
+    return {**row, **adv_stats}, any(r.get("skipped") for r in stats)
+
+
+def sample_stats(samples: list[dict]) -> dict:
+    """Reward (the one trained on, and the gold one beside it), length and truncation of every
+    sample drawn this step."""
+    valid = [s["reward"] for s in samples if not s["invalid"]]
+    gold = [s["components"]["gold"] for s in samples if not s["invalid"] and "gold" in s["components"]]
+    row = {"train/reward_proxy": sum(valid) / max(1, len(valid)), "train/reward_gold": sum(gold) / len(gold)} if gold else {}
+    return {**row, "reward_mean": sum(valid) / max(1, len(valid)),
+            "response_length": sum(sum(s["action_mask"]) for s in samples) / len(samples),
+            "truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples)}
+
+
+def rl_step_once(roles: Roles, cfg: Config, obj: Objective, rows: list[dict], state: RunState, nan_guard: NanGuard) -> tuple[dict, list[dict]]:
+    """One RL step: rollout -> score -> filter (sample_batch) -> forward -> advantages -> update
+    (train_on) -> weight sync -> record.  Advances `state`; returns the history row and every
+    sample drawn (kept or filtered) for the step's rollout file."""
+    step = state.step + 1
+    times = {"rollout_s": 0.0, "reward_s": 0.0}
+    samples, invalid, drawn, rounds = sample_batch(roles, cfg, rows, state.consumed, times)
+    kept = [s for s in samples if s["filter"] == "kept"]
+    row, kl = {"step": step}, 0.0
+    if len(kept) >= len(roles.policy.workers):
+        stats, skipped = train_on(roles, cfg, obj, kept, step, times)
+        row.update(stats)
+        kl = stats["kl"]
+        nan_guard.update(skipped, state, step)
+    else:
+        log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
+    times["sync_s"] = roles.sync_weights(step)
+    obj.kl.update(kl, len(kept))
+    state.step, state.consumed = step, state.consumed + drawn
+    state.extra["invalid"] += invalid
+    state.extra["kl_controller"] = obj.kl.state_dict()
+    row.update(sample_stats(samples))
+    row.update({"invalid": invalid, "kept": len(kept), "prompts_drawn": drawn, "sampling_rounds": rounds, "kl_coef": obj.kl.value,
+                "policy_version": step, **times})
+    return row, samples
+
+
+class Evaluation:
+    """Greedy accuracy, pass@k and the sync check on the eval prompts, through the rollout engine;
+    keeps the best model so far in best_model/ (by eval/accuracy)."""
+
+    def __init__(self, roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], out_dir: Path):
+        self.roles, self.cfg, self.tokenizer, self.rows, self.out_dir = roles, cfg, tokenizer, eval_rows, out_dir
+        self.prompts = [tokenizer(r["prompt"]).input_ids for r in eval_rows]
+
+    def __call__(self, state: RunState, steplog: StepLog | None = None) -> dict:
+        metrics = evaluate(self.roles, self.cfg, self.tokenizer, self.rows, self.prompts)
+        if steplog:
+            steplog.scalars(metrics, state.step)
+            log.info("eval at step %d: %s", state.step, metrics)
+        best = state.extra.get("best", {})
+        if metrics["eval/accuracy"] > best.get("eval/accuracy", -1.0):  # the starting model is the first "best"
+            state.extra["best"] = {"step": state.step, **metrics}
+            card = f"Best rl policy so far: step {state.step}, eval/accuracy {metrics['eval/accuracy']:.3f} (see best.json).\n"
+            save_final_model(self.roles.policy, self.out_dir, self.tokenizer, card, name="best_model",
+                             extra={"best.json": json.dumps(state.extra["best"], indent=2)})
+        return metrics
+
+
+def run(cfg: Config) -> dict:
     out_dir = Path(cfg.output_dir).resolve()
     tokenizer = common.load_tokenizer(cfg)
     model_path = str(Path(cfg.model_path).resolve()) if Path(cfg.model_path).exists() else cfg.model_path
     rows = common.load_data(cfg.train_data, "rl", cfg, out_dir / "rejects" / "train.jsonl")
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
-    eval_prompts = [tokenizer(r["prompt"]).input_ids for r in eval_rows]
-    fingerprint = common.data_fingerprint(cfg)
-    ckpt_dir = out_dir / "checkpoints"
-    spec = StageSpec(name="rl", model_path=model_path, model_kind="causal_lm", examples=rows, collate=None, loss_fn=None, counts=None,
-                     evaluate=None, data_fingerprint=fingerprint,
-                     upstream=tuple(p for p in (cfg.reward_model, cfg.reward_file, cfg.agent_file) if p))
-    inputs = resume_inputs(cfg, spec)  # a checkpoint built on another sft model, reward model or data is not resumed
-    key = resume_key(inputs)
-    found = resume_point(ckpt_dir, cfg, spec, inputs)
+    # a checkpoint built on another sft model, reward model, reward file, agent or data is not resumed
+    upstream = tuple(p for p in (cfg.reward_model, cfg.reward_file, cfg.agent_file) if p)
+    start = Start.plan(cfg, "rl", out_dir, common.data_fingerprint(cfg), upstream)
 
     roles = Roles(cfg, model_path, tokenizer.pad_token_id)
-    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
-    history_path, rollout_dir = out_dir / "train_history.jsonl", out_dir / "rollouts"
-    if found:
-        def load(path):
-            roles.policy.call("load_checkpoint", str(path / "policy"))
-            if roles.critic:
-                roles.critic.call("load_checkpoint", str(path / "critic"))
-        path, state = load_resumable(ckpt_dir, found, spec, key, load)  # one that fails to load: the previous one
-        kl_ctl.load_state_dict(state["kl_controller"])
-        roles.sync_weights(state["step"])
-        trim_history(history_path, state["step"])
+    obj = Objective.of(cfg, tokenizer.pad_token_id)
+    evaluation = Evaluation(roles, cfg, tokenizer, eval_rows, out_dir)
+    state, resumed = start_or_resume(start, roles.load_checkpoint, clear=("rollouts", "best_model"))
+    rollout_dir = out_dir / "rollouts"
+    if resumed:
+        obj.kl.load_state_dict(state.extra["kl_controller"])
+        roles.sync_weights(state.step)
         for f in rollout_dir.glob("step_*.parquet"):  # rollouts of steps the killed run never checkpointed
-            if int(f.stem.split("_")[1]) > state["step"]:
+            if int(f.stem.split("_")[1]) > state.step:
                 f.unlink()
-        log.info("resumed from %s (step %d, policy_version %d)", path.name, state["step"], state["step"])
     else:
-        import shutil
-
-        for p in (history_path,):
-            p.unlink(missing_ok=True)
-        shutil.rmtree(rollout_dir, ignore_errors=True)
-        shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
-        shutil.rmtree(out_dir / "best_model", ignore_errors=True)  # a previous experiment's
-        state = {"step": 0, "consumed": 0, "invalid": 0, "data_fingerprint": fingerprint, "resume_key": key, "resume_inputs": inputs,
-                 "run_id": f"rl-{int(time.time())}", "init_metrics": {}}
-        init = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
-        state["init_metrics"] = {k + "_init": v for k, v in init.items()}
-        _track_best(roles, tokenizer, state, init, out_dir)  # the starting model is the first "best"
-        log.info("before training: %s", init)
-
-    pad = tokenizer.pad_token_id
-    collate = rl_step.RLCollate(pad)
-    policy_loss, critic_loss = make_losses(cfg)
+        state.extra.update(invalid=0, run_id=f"rl-{int(time.time())}")
+        state.init_metrics = {k + "_init": v for k, v in evaluation(state).items()}
+        log.info("before training: %s", state.init_metrics)
     log.info("policy loss %s: %s, temperature %g, is_correction %s", cfg.loss_type,
              ", ".join(f"{k}={v}" for k, v in policy_loss_settings(cfg).items()), cfg.temperature, cfg.is_correction)
-    writer = SummaryWriter(str(out_dir / "tensorboard"))
-    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rl", unit="step", dynamic_ncols=True, mininterval=2)
-    t0, start_step, nan_streak = time.time(), state["step"], 0
-    while state["step"] < cfg.max_steps:
-        step = state["step"] + 1
-        times = {"rollout_s": 0.0, "reward_s": 0.0}
-        samples, invalid, drawn, rounds = sample_batch(roles, cfg, rows, state["consumed"], times)
-        kept = [s for s in samples if s["filter"] == "kept"]
-        tic = time.time()
-        row = {"step": step}
-        if len(kept) >= len(roles.policy.workers):
-            forward_stats(roles, cfg, kept, collate)
-            adv_stats = rl_step.compute_advantages(kept, cfg.algo, kl_ctl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
-                                                   cfg.lam, cfg.whiten_gae, cfg.reward_clip)
-            times["forward_s"] = time.time() - tic
-            tic = time.time()
-            kl_coef_loss = kl_ctl.value if cfg.kl_mode == "loss" else 0.0
-            if cfg.engine_sleep:
-                roles.sleep_engines()
-            stats = update(roles.policy, cfg, kept, collate, partial(policy_loss, kl_loss_coef=kl_coef_loss), step)
-            if roles.critic:
-                cstats = update(roles.critic, cfg, kept, collate, critic_loss, step)
-                row.update({f"critic/{k}": sum(r[k] for r in cstats) / len(cstats) for k in ("loss", "value_error") if cstats and k in cstats[0]})
-            times["update_s"] = time.time() - tic
-            row.update({f"train/{k}": sum(r[k] for r in stats) / len(stats) for k in stats[0] if k != "skipped"} if stats else {})
-            row.update(adv_stats)
-            if any(r.get("skipped") for r in stats):  # every rank skipped that update: counted, abort after K in a row
-                nan_streak += 1
-                state["nan_skipped"] = state.get("nan_skipped", 0) + 1
-                log.warning("step %d: non-finite policy loss, update skipped (%d in a row)", step, nan_streak)
-                if nan_streak >= cfg.max_nan_steps:
-                    raise FloatingPointError(f"{nan_streak} consecutive RL steps with a non-finite loss (max_nan_steps={cfg.max_nan_steps}); "
-                                             "aborting without checkpointing. Lower rl.lr or check the rewards.")
-            else:
-                nan_streak = 0
-        else:
-            log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
-            adv_stats = {"kl": 0.0}
-        tic = time.time()
-        times["sync_s"] = roles.sync_weights(step)
-        kl_ctl.update(adv_stats["kl"], len(kept))
-        rollout_io.write_step(rollout_dir, step, samples, state["run_id"])
-        state["step"], state["consumed"], state["invalid"] = step, state["consumed"] + drawn, state["invalid"] + invalid
-        state["kl_controller"] = kl_ctl.state_dict()
-        valid = [s["reward"] for s in samples if not s["invalid"]]
-        gold = [s["components"]["gold"] for s in samples if not s["invalid"] and "gold" in s["components"]]
-        if gold:  # what the policy is trained on (proxy: e.g. the reward model) beside the verifiable truth
-            row.update({"train/reward_proxy": sum(valid) / max(1, len(valid)), "train/reward_gold": sum(gold) / len(gold)})
-        row.update({"reward_mean": sum(valid) / max(1, len(valid)), "invalid": invalid, "kept": len(kept), "prompts_drawn": drawn,
-                    "sampling_rounds": rounds, "kl_coef": kl_ctl.value,
-                    "response_length": sum(sum(s["action_mask"]) for s in samples) / len(samples),
-                    "truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
-                    "policy_version": step, **times})
-        for k, v in row.items():
-            if k != "step":
-                writer.add_scalar(k if "/" in k else f"rl/{k}", v, step)
-        with open(history_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        bar.update(1)
-        if step % cfg.log_steps == 0 or step == cfg.max_steps:
-            el = time.time() - t0
-            log.info("step %d/%d reward %.3f (gold %.3f) kl %.4f loss %.4f len %.1f | rollout %.1fs update %.1fs sync %.2fs | ETA %.0fs", step, cfg.max_steps,
-                     row["reward_mean"], row.get("train/reward_gold", float("nan")), adv_stats["kl"], row.get("train/loss", float("nan")), row["response_length"], times["rollout_s"],
-                     times.get("update_s", 0.0), times["sync_s"], el / (step - start_step) * (cfg.max_steps - step))
-        if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
-            _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:
-            save_checkpoint([(roles.policy, "policy")] + ([(roles.critic, "critic")] if roles.critic else []), ckpt_dir, step, state,
-                            cfg.keep_checkpoints)
+
+    steplog = StepLog(out_dir, "rl", cfg.max_steps, state.step, prefix="rl")
+    cadence, nan_guard = Cadence.of(cfg), NanGuard(cfg.max_nan_steps, "RL steps", "Lower rl.lr or check the rewards.")
+    while state.step < cfg.max_steps:
+        row, samples = rl_step_once(roles, cfg, obj, rows, state, nan_guard)
+        step = state.step
+        rollout_io.write_step(rollout_dir, step, samples, state.extra["run_id"])
+        steplog.write(row)
+        if cadence.log(step):
+            log.info("step %d/%d reward %.3f (gold %.3f) kl %.4f loss %.4f len %.1f | rollout %.1fs update %.1fs sync %.2fs | ETA %.0fs",
+                     step, cfg.max_steps, row["reward_mean"], row.get("train/reward_gold", float("nan")), row.get("kl", 0.0),
+                     row.get("train/loss", float("nan")), row["response_length"], row["rollout_s"], row.get("update_s", 0.0), row["sync_s"],
+                     steplog.eta(step))
+        if cadence.eval(step):
+            evaluation(state, steplog)
+        if cadence.save(step):
+            save_checkpoint(roles.trainers(), start.ckpt_dir, state, cfg.keep_checkpoints)
         faults.sigkill_after(step)
-    bar.close()
-    metrics = _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir)
-    writer.close()
-    metrics.update(state["init_metrics"])
-    metrics.update({"train/steps": state["step"], "train/invalid_rewards": state["invalid"], "train/nan_skipped": state.get("nan_skipped", 0), "train/wall_s": round(time.time() - t0, 1),
-                    "best/step": state["best"]["step"], "best/eval_accuracy": state["best"]["eval/accuracy"], **roles.peak_memory()})
-    last = json.loads(history_path.read_text().splitlines()[-1])
+    metrics = evaluation(state, steplog)
+    steplog.close()
+    return finish(roles, cfg, tokenizer, out_dir, state, metrics, steplog)
+
+
+def finish(roles: Roles, cfg: Config, tokenizer, out_dir: Path, state: RunState, metrics: dict, steplog: StepLog) -> dict:
+    """Final metrics, model/ with its card, manifest."""
+    best = state.extra["best"]
+    metrics.update(final_metrics(state, steplog))
+    metrics.update({"train/invalid_rewards": state.extra["invalid"], "best/step": best["step"], "best/eval_accuracy": best["eval/accuracy"],
+                    **roles.peak_memory()})
+    last = steplog.last()
     metrics["train/reward_mean"] = last["reward_mean"]
-    for k in ("train/reward_gold", "train/reward_proxy"):
-        if k in last:
-            metrics[k] = last[k]
+    metrics.update({k: last[k] for k in ("train/reward_gold", "train/reward_proxy") if k in last})
     card = common.model_card("rl", cfg, metrics, f"Policy trained with `{cfg.algo}` on agent rollouts ({cfg.agent_file or cfg.agent}) "
                              f"generated by `{cfg.engine}`; per-step rollouts are in `../rollouts/`.")
     save_final_model(roles.policy, out_dir, tokenizer, card)
     common.finish(out_dir, "rl", cfg, metrics, extra_inputs=(cfg.reward_model, cfg.reward_file, cfg.agent_file))
     return metrics
-
-
-def _eval_and_track(roles, cfg, tokenizer, eval_rows, eval_prompts, state, writer, out_dir: Path) -> dict:
-    """Evaluate, log, and keep the best model so far in `best_model/` (by eval/accuracy)."""
-    metrics = evaluate(roles, cfg, tokenizer, eval_rows, eval_prompts)
-    for k, v in metrics.items():
-        writer.add_scalar(k, v, state["step"])
-    log.info("eval at step %d: %s", state["step"], metrics)
-    _track_best(roles, tokenizer, state, metrics, out_dir)
-    return metrics
-
-
-def _track_best(roles, tokenizer, state: dict, metrics: dict, out_dir: Path) -> None:
-    """Keep the best model so far (by eval/accuracy) in best_model/, written atomically."""
-    if metrics["eval/accuracy"] > state.get("best", {}).get("eval/accuracy", -1.0):
-        state["best"] = {"step": state["step"], **metrics}
-        card = f"Best rl policy so far: step {state['step']}, eval/accuracy {metrics['eval/accuracy']:.3f} (see best.json).\n"
-        save_final_model(roles.policy, out_dir, tokenizer, card, name="best_model", extra={"best.json": json.dumps(state["best"], indent=2)})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rlhf_core.data.tokenize import prompt_response, tokenize_rows
 from rlhf_core.training import common
-from rlhf_core.training.lm import count_tokens, loss_fn, make_evaluate
 from rlhf_core.training.config import TrainConfig
+from rlhf_core.training.lm import count_tokens, loss_fn, make_evaluate
 from rlhf_core.training.loop import StageSpec, save_final_model, train
 
 
@@ -40,7 +40,8 @@ def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
     tokenizer = common.load_tokenizer(cfg)
     format_prompt = common.prompt_formatter(tokenizer, cfg.use_chat_template)
     rows = common.load_data(cfg.train_data, "sft", cfg, out_dir / "rejects" / "train.jsonl")
-    examples, too_long = tokenize_rows(rows, lambda r: prompt_response(tokenizer, format_prompt(r), common.response_text(r), cfg.max_len), cfg.max_len)
+    encode = lambda r: prompt_response(tokenizer, format_prompt(r), common.response_text(r), cfg.max_len)  # noqa: E731
+    examples, too_long = tokenize_rows(rows, encode, cfg.max_len)
     common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
     collate = common.Collate(tokenizer.pad_token_id)
     evaluate = make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir)

@@ -28,7 +28,6 @@ from torch import Tensor
 
 from .aggregation import masked_whiten
 
-
 # --- 1. score baselines over prompt groups -------------------------------------------------
 
 

@@ -186,7 +186,8 @@ IS_CORRECTIONS = {"tis": tis_weights, "icepop": icepop_weights, "seq_mask_tis": 
 # --- value, entropy ------------------------------------------------------------------------
 
 
-def value_loss(values, old_values, returns, response_mask, clip: float | None = 0.2, agg_mode="token-mean", num_tokens=None, num_seqs=None, norm_len=None):
+def value_loss(values, old_values, returns, response_mask, clip: float | None = 0.2, agg_mode="token-mean", num_tokens=None, num_seqs=None,
+               norm_len=None):
     """Clipped value loss (PPO2 baselines): l_t = 0.5 * max((V - R)^2, (V_clip - R)^2),
     V_clip = old_V + clip(V - old_V, -clip, clip).  `clip=None` gives plain 0.5 (V - R)^2."""
     loss_mat = (values - returns).square()

@@ -17,6 +17,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from rlhf_core import atomic
+
 MANIFEST = "manifest.json"
 # persisted for resume with their own checksums, or scratch: not part of the artifact
 EXCLUDED_DIRS = ("checkpoints", ".tmp-model")
@@ -129,12 +131,7 @@ def write_manifest(out_dir: str | Path, *, stage: str, config: dict, config_sha2
         "run_ids": run_ids or {},
         "metrics": metrics or {},
     }
-    tmp = out_dir / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out_dir / MANIFEST)
+    atomic.write_json(out_dir / MANIFEST, manifest)
     return manifest
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from rlhf_core import atomic
 
 I64, F32, STR = pa.int64(), pa.float32(), pa.string()
 SCHEMA = pa.schema([
@@ -50,13 +51,8 @@ def to_row(s: dict, run_id: str, step: int) -> dict:
 
 def write_step(rollout_dir: Path, step: int, samples: list[dict], run_id: str) -> Path:
     """Atomically write one step's rollouts (temp file + rename: a killed run leaves no half file)."""
-    rollout_dir.mkdir(parents=True, exist_ok=True)
-    path = rollout_dir / f"step_{step:06d}.parquet"
-    tmp = path.with_suffix(".parquet.tmp")
     table = pa.Table.from_pylist([to_row(s, run_id, step) for s in samples], schema=SCHEMA)
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
+    return atomic.write_with(rollout_dir / f"step_{step:06d}.parquet", lambda tmp: pq.write_table(table, tmp))
 
 
 def summarize(path: str, num_samples: int = 3) -> str:

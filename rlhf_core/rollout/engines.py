@@ -117,7 +117,8 @@ class HFEngine:
                     tok = int(torch.multinomial(torch.softmax(logp / temperature, -1), 1, generator=gen))
                 tokens.append(tok)
                 # the tempered distribution's log-prob (the one sampled from), as vLLM's processed log-probs
-                lps.append(float(logp[tok]) if temperature in (0.0, 1.0) else float(torch.log_softmax(res.logits[0, -1].float() / temperature, -1)[tok]))
+                tempered = logp if temperature in (0.0, 1.0) else torch.log_softmax(res.logits[0, -1].float() / temperature, -1)
+                lps.append(float(tempered[tok]))
                 ids = torch.cat([ids, torch.tensor([[tok]])], 1)
                 if tok == self.eos:
                     reason = "stop"

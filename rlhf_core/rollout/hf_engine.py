@@ -5,7 +5,8 @@ import torch
 
 
 @torch.no_grad()
-def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_id: int, batch_size: int = 64) -> list[list[int]]:
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_id: int,
+                    batch_size: int = 64) -> list[list[int]]:
     """Greedy continuation of each prompt (ids without the prompt, cut after the first EOS)."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):

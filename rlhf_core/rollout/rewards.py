@@ -30,7 +30,7 @@ from rlhf_core.evaluation import completion_answer
 
 def exact_match(prompts, responses, labels, **kw) -> list[float]:
     """1.0 when the completion's answer equals the label, else 0.0 (the default task reward)."""
-    return [1.0 if completion_answer(r) == str(l).strip() else 0.0 for r, l in zip(responses, labels)]
+    return [1.0 if completion_answer(r) == str(label).strip() else 0.0 for r, label in zip(responses, labels)]
 
 
 class RewardError(RuntimeError):

@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rlhf_core import registry
+from rlhf_core import atomic, registry
 
 log = logging.getLogger("rlhf.jobs")
 
@@ -25,17 +25,14 @@ class JobFailed(RuntimeError):
 
 def write_resolved_config(stage: str, config: dict, output_dir: str | Path) -> Path:
     """The resolved config is the only thing the job receives; it lives beside the artifact."""
-    path = Path(output_dir) / "config.resolved.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a starting job never reads half a file
-    tmp.write_text(json.dumps({"stage": stage, "config": config}, indent=2, sort_keys=True))
-    os.replace(tmp, path)
-    return path
+    # atomic: a starting job never reads half a file
+    return atomic.write_json(Path(output_dir) / "config.resolved.json", {"stage": stage, "config": config})
 
 
 def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | None, submission_id: str) -> str:
     cwd = Path.cwd().resolve()
-    entrypoint = f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -u -m {registry.get(stage).module} --config {shlex.quote(str(config_path.resolve()))}"
+    python = f"{shlex.quote(sys.executable)} -u -m {registry.get(stage).module}"
+    entrypoint = f"cd {shlex.quote(str(cwd))} && {python} --config {shlex.quote(str(config_path.resolve()))}"
     # our own submission id, passed into the job too (Ray strips RAY_JOB_ID from a job's env):
     # the stage records it in its manifest and its output-directory lock.  The config's sha256
     # lets the job see that another run on the directory replaced the file before it got the lock.

@@ -29,7 +29,8 @@ class PeakMemory:
 
 
 class TrainWorker(PeakMemory):
-    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, model_kind: str, cfg: TrainConfig, pad_token_id: int | None = None):
+    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, model_kind: str, cfg: TrainConfig,
+                 pad_token_id: int | None = None):
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
         torch.manual_seed(cfg.seed + rank)
@@ -106,7 +107,8 @@ class TrainWorker(PeakMemory):
         """Engine and RNG states of a checkpoint; any failure is a `CheckpointLoadError` naming
         the checkpoint and why (DeepSpeed's own are often bare asserts)."""
         try:
-            path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "engine"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+            path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "engine"), tag="state", load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
             if path is None:
                 raise RuntimeError("DeepSpeed found no engine state in it")
             rng = torch.load(Path(ckpt_dir) / f"rng_rank{self.rank}.pt", weights_only=True)

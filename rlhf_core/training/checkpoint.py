@@ -21,7 +21,7 @@ the record (dropped in, copied from elsewhere, written by other code) or whose f
 it (replaced, CHECKSUMS resealed) is refused.  Trust boundary: docs/reliability.md ("checkpoints
 are code").  An unusable checkpoint is skipped with a warning in favour of the newest complete one,
 and so is one that verifies but fails to load (`CheckpointLoadError`, naming it and why;
-`loop.load_resumable`).  Only the holder of the output directory's lock (`runtime/stage_lock.py`)
+`chassis.load_resumable`).  Only the holder of the output directory's lock (`runtime/stage_lock.py`)
 reads or writes them.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ import os
 import shutil
 from pathlib import Path
 
+from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import hash_tree
 
 log = logging.getLogger("rlhf.checkpoint")
@@ -45,21 +46,13 @@ def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     for p in sorted(root.rglob("*")):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     for d in sorted({p.parent for p in root.rglob("*")} | {root}):
-        _fsync_dir(d)
+        atomic.fsync_dir(d)
 
 
 def record_path(ckpt_dir: Path) -> Path:
@@ -79,15 +72,7 @@ def read_record(ckpt_dir: Path) -> dict:
 
 
 def _write_record(ckpt_dir: Path, record: dict) -> None:
-    """Replace the record atomically (tmp file + fsync + rename)."""
-    path = record_path(ckpt_dir)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    atomic.write_json(record_path(ckpt_dir), record)
 
 
 def reset(ckpt_dir: Path) -> None:
@@ -123,17 +108,8 @@ def commit(ckpt_dir: Path, tmp: Path, step: int, state: dict, keep: int) -> Path
     # recorded before the rename: a complete checkpoint always has its record (a record without
     # its directory, after a crash in between, is harmless and pruned by the next commit)
     _write_record(ckpt_dir, {**read_record(ckpt_dir), final.name: files})
-    if final.exists():  # a re-save of the same step (e.g. after a resume) replaces it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(ckpt_dir)
-    pointer_tmp = ckpt_dir / (LATEST + ".tmp")
-    with open(pointer_tmp, "w") as f:
-        f.write(final.name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, ckpt_dir / LATEST)
-    _fsync_dir(ckpt_dir)
+    atomic.replace_dir(tmp, final)  # a re-save of the same step (e.g. after a resume) replaces it
+    atomic.write_text(ckpt_dir / LATEST, final.name)
     for old in sorted(ckpt_dir.glob("step_*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     present = {p.name for p in ckpt_dir.glob("step_*")}

@@ -57,7 +57,8 @@ def check_too_long(rejects: list[dict], total: int, cfg: TrainConfig, path: Path
     if rejects:
         log.warning("%d of %d rows over max_len=%d tokens rejected; see %s", len(rejects), total, cfg.max_len, path)
     if total and len(rejects) / total > cfg.max_reject_ratio:
-        raise DataError(f"{len(rejects)} of {total} rows are over max_len={cfg.max_len} tokens, above max_reject_ratio={cfg.max_reject_ratio}; see {path}")
+        raise DataError(f"{len(rejects)} of {total} rows are over max_len={cfg.max_len} tokens, "
+                        f"above max_reject_ratio={cfg.max_reject_ratio}; see {path}")
 
 
 class Collate:

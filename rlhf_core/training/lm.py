@@ -38,7 +38,8 @@ def make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir: Path):
     `cfg.eval_data` (prompt, label rows)."""
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [format_prompt(r) for r in eval_rows]
-    eval_examples, eval_too_long = tokenize_rows(eval_rows, lambda r: prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len), cfg.max_len)
+    encode = lambda r: prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len)  # noqa: E731
+    eval_examples, eval_too_long = tokenize_rows(eval_rows, encode, cfg.max_len)
     common.check_too_long(eval_too_long, len(eval_rows), cfg, out_dir / "rejects" / "eval_too_long.jsonl")
 
     def evaluate(group) -> dict:

@@ -2,8 +2,16 @@ import pytest
 import torch
 
 from rlhf_core.algos.advantages import (
-    ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES, Recipe, discounted_returns, dr_grpo_baseline, gae,
-    grpo_baseline, rloo_baseline, whitened_returns,
+    ALGO_RECIPES,
+    ESTIMATORS,
+    SCORE_BASELINES,
+    Recipe,
+    discounted_returns,
+    dr_grpo_baseline,
+    gae,
+    grpo_baseline,
+    rloo_baseline,
+    whitened_returns,
 )
 
 pytestmark = pytest.mark.unit

@@ -5,8 +5,17 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos.losses import (
-    IS_CORRECTIONS, dpo_loss, entropy_bonus, entropy_from_logits, gspo_policy_loss, ppo_policy_loss,
-    rm_logexp_loss, rm_sigmoid_loss, sft_loss, token_logprobs, value_loss,
+    IS_CORRECTIONS,
+    dpo_loss,
+    entropy_bonus,
+    entropy_from_logits,
+    gspo_policy_loss,
+    ppo_policy_loss,
+    rm_logexp_loss,
+    rm_sigmoid_loss,
+    sft_loss,
+    token_logprobs,
+    value_loss,
 )
 
 pytestmark = pytest.mark.unit

@@ -2,8 +2,13 @@ import pytest
 import torch
 
 from rlhf_core.algos.shaping import (
-    AdaptiveKLController, FixedKLController, dynamic_sampling_filter, kl_shaped_rewards,
-    last_token_index, overlong_penalty, truncation_penalty,
+    AdaptiveKLController,
+    FixedKLController,
+    dynamic_sampling_filter,
+    kl_shaped_rewards,
+    last_token_index,
+    overlong_penalty,
+    truncation_penalty,
 )
 
 pytestmark = pytest.mark.unit

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import SMALL_TASK, rlhf
+
 from rlhf_core.artifacts.manifest import sha256_file
 
 pytestmark = pytest.mark.e2e
@@ -137,7 +137,7 @@ def test_a_retrained_sft_reruns_the_interrupted_dpo_and_the_finished_rl_from_ste
     for stage in ("dpo", "rl@rlvr"):
         assert parent_of(root, stage, "sft") == manifest(root, "sft"), stage  # built on tonight's sft
     assert steps(root, "dpo") == [1, 2, 3, 4] and steps(root, "rl@rlvr") == [1, 2]  # each a run of its own, from step 1
-    from rlhf_core.training.loop import upstream_digest
+    from rlhf_core.training.chassis import upstream_digest
 
     cache = json.loads((root / "artifacts" / "dpo" / "checkpoints" / "reference_logps.json").read_text())
     here = os.getcwd()

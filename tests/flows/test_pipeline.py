@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import SMALL_TASK, rlhf
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +50,8 @@ def repo(tmp_path_factory, ray_head):
     (root / "dvc.lock").unlink(missing_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(TINY_PARAMS))
     # a secret-looking variable in the environment of every run: it must never reach an artifact
-    env = {"PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ADDRESS": ray_head, "RLHF_TEST_API_KEY": SECRET, "HF_TOKEN": SECRET, "DVC_SITE_CACHE_DIR": str(root / ".dvc" / "tmp" / "site"),
+    env = {"PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ADDRESS": ray_head, "RLHF_TEST_API_KEY": SECRET, "HF_TOKEN": SECRET,
+           "DVC_SITE_CACHE_DIR": str(root / ".dvc" / "tmp" / "site"),
            "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         assert sh(*cmd, cwd=root, env=env).returncode == 0
@@ -97,7 +97,8 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
             return p.returncode == 0 and "alignment-pipeline/full" in p.stdout and "alignment-pipeline/nightly" in p.stdout
 
         wait_for(deployed, 180, "deployments registered")
-        run = sh(sys.executable, "-m", "prefect", "deployment", "run", "alignment-pipeline/full", "--watch", cwd=root, env={**env, **api}, timeout=840)
+        run = sh(sys.executable, "-m", "prefect", "deployment", "run", "alignment-pipeline/full", "--watch", cwd=root, env={**env, **api},
+                 timeout=840)
         log = (root / "serve.log").read_text()
         assert run.returncode == 0, run.stdout[-3000:] + log[-6000:]
         for stage in ("pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr"):
@@ -105,7 +106,8 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
             assert manifest["run_ids"].get("prefect_flow_run_id") and manifest["run_ids"].get("prefect_task_run_id"), stage
             assert manifest["run_ids"].get("ray_job_id"), stage
         champion = json.loads((root / "artifacts" / "champion" / "champion.json").read_text())
-        best = max(("sft", "dpo", "rl@rlhf", "rl@rlvr"), key=lambda st: json.loads((root / "artifacts" / st / "metrics.json").read_text())["eval/accuracy"])
+        accuracy = lambda st: json.loads((root / "artifacts" / st / "metrics.json").read_text())["eval/accuracy"]  # noqa: E731
+        best = max(("sft", "dpo", "rl@rlhf", "rl@rlvr"), key=accuracy)
         assert champion["source"] in {f"artifacts/{st}" for st in ("sft", "dpo", "rl@rlhf", "rl@rlvr")}, champion
         assert json.loads((root / champion["source"] / "metrics.json").read_text())["eval/accuracy"] == \
             json.loads((root / "artifacts" / best / "metrics.json").read_text())["eval/accuracy"]  # the best candidate by gold accuracy
@@ -271,7 +273,8 @@ def test_prefect_server_restarted_mid_run_then_the_run_completes(flow_env):
     finally:
         if proc.poll() is None:
             proc.kill()
-        runs = sh(sys.executable, "-m", "prefect", "flow-run", "ls", cwd=root, env={**env, **api, "COLUMNS": "300"})  # a wide table: the state column shows
+        # a wide table: the state column shows
+        runs = sh(sys.executable, "-m", "prefect", "flow-run", "ls", cwd=root, env={**env, **api, "COLUMNS": "300"})
         server.stop()
     assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == done + 16
     assert "COMPLETED" in runs.stdout and "RUNNING" not in runs.stdout, runs.stdout

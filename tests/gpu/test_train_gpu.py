@@ -2,7 +2,6 @@
 import json
 
 import pytest
-
 from conftest import rlhf
 
 pytestmark = pytest.mark.gpu

@@ -18,9 +18,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import SFT, run_stage
 from safetensors.torch import load_file
 
-from conftest import SFT, run_stage
 from rlhf_core.artifacts.manifest import hash_tree
 from rlhf_core.runtime import stage_lock
 from rlhf_core.runtime.watchdog import descendants

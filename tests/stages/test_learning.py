@@ -8,7 +8,6 @@ docs/benchmarks.md ("the default chain, stage by stage"), commented beside each 
 import json
 
 import pytest
-
 from conftest import rlhf
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("learning")]

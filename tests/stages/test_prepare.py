@@ -7,11 +7,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from rlhf_core.artifacts.manifest import verify_manifest
-
 from conftest import SMALL_TASK
 from conftest import rlhf as _rlhf
+
+from rlhf_core.artifacts.manifest import verify_manifest
 
 pytestmark = pytest.mark.xdist_group("prepare")  # one project fixture for the file
 

@@ -2,8 +2,8 @@
 import json
 
 import pytest
-
 from conftest import run_stage
+
 from rlhf_core.artifacts.manifest import verify_manifest
 from rlhf_core.data.corpus import check_corpus, expressions
 from rlhf_core.data.tokenize import pack_documents

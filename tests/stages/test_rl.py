@@ -8,9 +8,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import rlhf, run_stage
 from safetensors.torch import load_file
 
-from conftest import rlhf, run_stage
 from rlhf_core.artifacts.manifest import verify_manifest
 
 pytestmark = pytest.mark.integration

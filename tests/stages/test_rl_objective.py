@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import rlhf
+
 from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.config import ConfigError, from_dict
 from stages import rl

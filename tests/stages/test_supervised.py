@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SFT, rlhf, run_stage
 from safetensors.torch import load_file
 
-from conftest import SFT, rlhf, run_stage
 from rlhf_core.artifacts.manifest import verify_manifest
 
 pytestmark = pytest.mark.integration
@@ -77,7 +77,8 @@ def test_one_and_two_workers_same_loss_curve(project, ray_head):
     curves = {}
     for n, zero in ((1, 0), (2, 2)):  # 2 workers under ZeRO-2: data parallelism and sharding at once
         out = f"artifacts/sft_w{n}_z{zero}"
-        proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=5", "--set", "sft.global_batch_size=16",
+        proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=5",
+                         "--set", "sft.global_batch_size=16",
                          "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}", "--set", f"sft.output_dir={out}",
                          "--set", "sft.eval_max_new_tokens=2")
         assert proc.returncode == 0, proc.stdout[-3000:]
@@ -102,9 +103,11 @@ def test_bad_inputs_have_clear_errors(project, ray_head, tmp_path):
     assert proc.returncode != 0 and "model_path 'artifacts/nope' does not exist" in proc.stdout + proc.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "Q: 1+1= A:"}\n' * 3 + '{"prompt": "Q: 1+1= A:", "response": " 2"}\n')
-    proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", f"sft.train_data={bad}", "--set", "sft.output_dir=artifacts/sft_bad")
+    proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", f"sft.train_data={bad}",
+                     "--set", "sft.output_dir=artifacts/sft_bad")
     assert proc.returncode != 0 and "3 of 4 rows (75.0%) rejected" in proc.stdout + proc.stderr
-    proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_len=5", "--set", "sft.output_dir=artifacts/sft_bad")
+    proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_len=5",
+                     "--set", "sft.output_dir=artifacts/sft_bad")
     assert proc.returncode != 0 and "over max_len=5 tokens" in proc.stdout + proc.stderr
     proc = rlhf("stage", "run", "sft", "--params", "none.yaml", "--set", "sft.lrr=1", cwd=project)
     assert proc.returncode == 2 and "sft.lr," in proc.stderr

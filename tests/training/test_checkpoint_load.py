@@ -4,11 +4,9 @@ import logging
 import pytest
 
 from rlhf_core.training import checkpoint as ckpt
-from rlhf_core.training.loop import ResumeError, StageSpec, load_resumable
+from rlhf_core.training.chassis import ResumeError, load_resumable
 
 pytestmark = pytest.mark.unit
-SPEC = StageSpec(name="sft", model_path="m", model_kind="causal_lm", examples=[], collate=None, loss_fn=None, counts=None,
-                 evaluate=None, data_fingerprint="d")
 
 
 def complete(ckpt_dir, step, key="k"):
@@ -43,7 +41,7 @@ def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_complete_one
             raise ckpt.CheckpointLoadError(f"checkpoint {path} could not be loaded (rank 0): AssertionError: failed at engine.py:1")
 
     with caplog.at_level(logging.WARNING):
-        path, state = load_resumable(tmp_path, ckpt.find_resumable(tmp_path), SPEC, "k", load)
+        path, state = load_resumable(tmp_path, ckpt.find_resumable(tmp_path), "sft", "k", load)
     assert (path.name, state["step"], tried) == ("step_000002", 2, ["step_000003", "step_000002"])
     assert "step_000003 could not be loaded, trying the previous complete one" in caplog.text
     assert f"checkpoint {tmp_path}/step_000003 could not be loaded (rank 0): AssertionError" in caplog.text
@@ -52,7 +50,7 @@ def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_complete_one
         deepspeed_like_load(path)
 
     with pytest.raises(ResumeError) as e:
-        load_resumable(tmp_path, ckpt.find_resumable(tmp_path), SPEC, "k", broken)
+        load_resumable(tmp_path, ckpt.find_resumable(tmp_path), "sft", "k", broken)
     msg = str(e.value)
     assert "step_000003: AssertionError: failed at" in msg and "step_000002: AssertionError" in msg and "step_000001" not in msg
     assert "--set sft.resume=false" in msg

@@ -8,8 +8,8 @@ import pytest
 from rlhf_core.artifacts.manifest import write_manifest
 from rlhf_core.runtime import stage_lock
 from rlhf_core.training import checkpoint as ckpt
+from rlhf_core.training.chassis import ResumeError, resume_inputs, resume_key, resume_point
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import ResumeError, StageSpec, resume_inputs, resume_key, resume_point
 
 pytestmark = pytest.mark.unit
 
@@ -28,8 +28,8 @@ def stage(tmp_path, monkeypatch):
 
 
 def spec(data="d1", upstream=("reward.py",)):
-    return StageSpec(name="down", model_path="artifacts/up/model", model_kind="causal_lm", examples=[], collate=None, loss_fn=None,
-                     counts=None, evaluate=None, data_fingerprint=data, upstream=upstream)
+    """(training data fingerprint, further upstream inputs) of the downstream stage."""
+    return data, upstream
 
 
 CFG = TrainConfig(model_path="artifacts/up/model", max_steps=4, save_steps=2)
@@ -42,16 +42,16 @@ def checkpoint_at(out, step, inputs):
 
 
 def test_same_inputs_resume_and_a_finished_run_has_nothing_to_train(stage):
-    inputs = resume_inputs(CFG, spec())
+    inputs = resume_inputs(CFG, *spec())
     assert set(inputs) == {"config", "data", "upstream"} and set(inputs["upstream"]) == {"artifacts/up/model", "reward.py"}
     checkpoint_at(stage, 2, inputs)
-    found = resume_point(stage / "checkpoints", CFG, spec(), resume_inputs(CFG, spec()))
+    found = resume_point(stage / "checkpoints", CFG, "down", resume_inputs(CFG, *spec()))
     assert found[0].name == "step_000002"
     more = TrainConfig(model_path="artifacts/up/model", max_steps=9, save_steps=3)  # max_steps and save_steps may change
-    assert resume_point(stage / "checkpoints", more, spec(), resume_inputs(more, spec()))[0].name == "step_000002"
+    assert resume_point(stage / "checkpoints", more, "down", resume_inputs(more, *spec()))[0].name == "step_000002"
     checkpoint_at(stage, 4, inputs)
     with pytest.raises(ResumeError, match="nothing to train"):
-        resume_point(stage / "checkpoints", CFG, spec(), resume_inputs(CFG, spec()))
+        resume_point(stage / "checkpoints", CFG, "down", resume_inputs(CFG, *spec()))
 
 
 @pytest.mark.parametrize("change, why", [
@@ -64,7 +64,7 @@ def test_changed_inputs_start_over_and_say_why(stage, caplog, change, why):
     """The nightly cases: new data (sft used to fail with a ResumeError), a retrained upstream
     (rm/dpo/rl used to fail with "nothing to train", or an interrupted one resumed a checkpoint
     built on the old upstream model)."""
-    checkpoint_at(stage, 2, resume_inputs(CFG, spec()))
+    checkpoint_at(stage, 2, resume_inputs(CFG, *spec()))
     cfg, sp = CFG, spec()
     if change == "upstream":  # the upstream stage reran: a new manifest (even for the same bytes)
         (stage.parent / "up" / "model" / "w.bin").write_bytes(b"v2")
@@ -76,14 +76,14 @@ def test_changed_inputs_start_over_and_say_why(stage, caplog, change, why):
     else:
         cfg = TrainConfig(model_path="artifacts/up/model", max_steps=4, save_steps=2, lr=0.5)
     with caplog.at_level(logging.WARNING):
-        assert resume_point(stage / "checkpoints", cfg, sp, resume_inputs(cfg, sp)) is None
+        assert resume_point(stage / "checkpoints", cfg, "down", resume_inputs(cfg, *sp)) is None
     assert f"not resuming from step_000002: {why}" in caplog.text and "starting over" in caplog.text
     assert not list((stage / "checkpoints").iterdir()) and not ckpt.record_path(stage / "checkpoints").exists()
 
 
 def test_a_hub_model_id_is_an_upstream_by_name(stage):
     cfg = TrainConfig(model_path="org/some-model", max_steps=4, save_steps=2)
-    a = resume_inputs(cfg, spec(upstream=()))
+    a = resume_inputs(cfg, *spec(upstream=()))
     assert set(a["upstream"]) == {"org/some-model"}
-    b = resume_inputs(TrainConfig(model_path="org/other-model", max_steps=4, save_steps=2), spec(upstream=()))
+    b = resume_inputs(TrainConfig(model_path="org/other-model", max_steps=4, save_steps=2), *spec(upstream=()))
     assert resume_key(a) != resume_key(b)

@@ -1,0 +1,92 @@
+"""The driver skeleton both the supervised loop and rl use: state round trip, start or resume (and
+what each clears), the step log, the NaN guard, the cadence.  Real files, no Ray."""
+import json
+import logging
+
+import pytest
+
+from rlhf_core.runtime import stage_lock
+from rlhf_core.training import checkpoint as ckpt
+from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, start_or_resume
+from rlhf_core.training.config import TrainConfig
+
+pytestmark = pytest.mark.unit
+CFG = TrainConfig(model_path="org/model", max_steps=6, save_steps=2, eval_steps=3, log_steps=1)
+
+
+@pytest.fixture
+def out(tmp_path):
+    out = tmp_path / "artifacts" / "stage"
+    out.mkdir(parents=True)
+    yield out
+    stage_lock.release(out)
+
+
+def test_run_state_round_trips_through_a_checkpoint_dict():
+    state = RunState(step=3, consumed=96, nan_skipped=1, init_metrics={"eval/accuracy_init": 0.5}, resume_key="k",
+                     extra={"kl_controller": {"value": 0.01}, "invalid": 2})
+    d = state.to_dict()
+    assert d["step"] == 3 and d["kl_controller"] == {"value": 0.01} and "extra" not in d
+    assert RunState.from_dict(json.loads(json.dumps(d))) == state
+    # a checkpoint written before a counter existed resumes with the counter at its default
+    assert RunState.from_dict({"step": 2, "consumed": 8, "resume_key": "k"}).nan_skipped == 0
+
+
+def _history(out, steps):
+    (out / "train_history.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in steps))
+
+
+def test_fresh_start_clears_an_earlier_run_and_resume_trims_its_history(out, caplog):
+    _history(out, [1, 2, 3])
+    for sub in ("tensorboard", "rollouts", "keep"):
+        (out / sub).mkdir()
+    start = Start.plan(CFG, "stage", out, "data-1")
+    state, resumed = start_or_resume(start, load=lambda p: pytest.fail("nothing to load"), clear=("rollouts",))
+    assert not resumed and state.step == 0 and state.resume_key == start.key and state.resume_inputs["data"] == "data-1"
+    assert not (out / "train_history.jsonl").exists() and not (out / "tensorboard").exists() and not (out / "rollouts").exists()
+    assert (out / "keep").exists()
+
+    # a run that checkpointed step 2 and logged step 3 before it was killed
+    state.step, state.consumed = 2, 64
+    tmp = ckpt.begin(start.ckpt_dir, 2)
+    (tmp / "w.bin").write_bytes(b"w")
+    ckpt.commit(start.ckpt_dir, tmp, 2, state.to_dict(), keep=2)
+    _history(out, [1, 2, 3])
+    loaded = []
+    with caplog.at_level(logging.INFO):
+        again, resumed = start_or_resume(Start.plan(CFG, "stage", out, "data-1"), load=loaded.append)
+    assert resumed and again == state and [p.name for p in loaded] == ["step_000002"]
+    assert [json.loads(x)["step"] for x in (out / "train_history.jsonl").read_text().splitlines()] == [1, 2]
+    assert "resumed from step_000002 (step 2, 64 samples consumed)" in caplog.text
+
+
+def test_step_log_writes_history_and_reports_eta(out):
+    log = StepLog(out, "stage", max_steps=4, step=0, prefix="train")
+    log.write({"step": 1, "loss": 2.0, "critic/loss": 1.0})
+    log.write({"step": 2, "loss": 1.0})
+    assert log.last() == {"step": 2, "loss": 1.0}
+    assert log.eta(2) == pytest.approx(log.elapsed(), rel=0.5, abs=0.05)  # two steps done, two to go
+    metrics = final_metrics(RunState(step=2, nan_skipped=1, init_metrics={"eval/accuracy_init": 0.1}), log)
+    log.close()
+    assert metrics["train/steps"] == 2 and metrics["train/nan_skipped"] == 1 and metrics["eval/accuracy_init"] == 0.1
+    assert [json.loads(x)["step"] for x in (out / "train_history.jsonl").read_text().splitlines()] == [1, 2]
+    assert list((out / "tensorboard").iterdir())
+
+
+def test_nan_guard_counts_skips_and_aborts_after_the_limit():
+    guard, state = NanGuard(2, "steps", "Lower sft.lr."), RunState()
+    guard.update(True, state, 1)
+    guard.update(False, state, 2)  # a good step resets the streak, not the total
+    guard.update(True, state, 3)
+    assert state.nan_skipped == 2
+    with pytest.raises(FloatingPointError, match=r"2 consecutive steps with a non-finite loss \(max_nan_steps=2\).*Lower sft.lr"):
+        guard.update(True, state, 4)
+
+
+def test_cadence_logs_evaluates_and_saves_on_schedule_and_at_the_end():
+    c = Cadence.of(TrainConfig(max_steps=7, log_steps=2, eval_steps=3, save_steps=5))
+    steps = range(1, 8)
+    assert [s for s in steps if c.log(s)] == [2, 4, 6, 7]
+    assert [s for s in steps if c.eval(s)] == [3, 6]  # the final evaluation follows the loop
+    assert [s for s in steps if c.save(s)] == [5, 7]
+    assert not any(Cadence.of(TrainConfig(max_steps=7, eval_steps=0)).eval(s) for s in steps)
