@@ -96,7 +96,7 @@ def test_import_closure_sees_function_local_imports():
     """The closure must follow imports inside functions (actors, heavy libraries), or a dep would
     be missed: rl starts its rollout workers from inside `Roles.__init__`."""
     assert Path("rlhf_core/rollout/workers.py") in import_closure("stages.rl")
-    assert Path("rlhf_core/runtime/worker.py") in import_closure("stages.sft")
+    assert Path("rlhf_core/training/worker.py") in import_closure("stages.sft")
 
 
 def test_get_names_the_valid_stages():
@@ -124,3 +124,20 @@ def test_cli_and_jobs_read_the_registry(tmp_path, monkeypatch):
     cfg.write_text("{}")
     jobs._submit(Client(), "rl@rlvr", cfg, {}, "sub-1")
     assert " -m stages.rl --config " in seen["entrypoint"]
+
+
+def test_every_engine_is_selectable_and_speaks_the_engine_interface():
+    """Adding an engine = a class in rollout/engines.py + its ENGINES entry + its name in rl's
+    `engine` Literal; the rollout worker constructs each with the same settings."""
+    import inspect
+    import typing
+
+    from rlhf_core.rollout.engines import ENGINES
+    from stages.rl import Config
+
+    assert set(typing.get_args(typing.get_type_hints(Config)["engine"])) == set(ENGINES)
+    settings = dict(max_model_len=64, seed=0, dtype="float32", gpu_memory_utilization=0.05, enable_sleep_mode=False, trust_remote_code=False)
+    for name, cls in ENGINES.items():
+        inspect.signature(cls).bind("model", **settings)  # TypeError names the setting an engine does not take
+        for method in ("generate", "update_weights", "sleep", "wake_up"):
+            assert callable(getattr(cls, method, None)), f"engine {name} lacks {method}()"

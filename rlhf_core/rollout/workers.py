@@ -14,7 +14,7 @@ import time
 import torch
 
 from rlhf_core.runtime import faults
-from rlhf_core.runtime.worker import PeakMemory
+from rlhf_core.runtime.actor import PeakMemory
 
 
 class RolloutWorker(PeakMemory):
@@ -28,9 +28,9 @@ class RolloutWorker(PeakMemory):
 
         torch.set_num_threads(max(1, threads))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        # every engine takes the same settings and ignores what it has no use for (hf: memory, sleep)
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                                      enable_sleep_mode=sleep, trust_remote_code=trust_remote_code) if engine == "vllm" else \
-            ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, trust_remote_code=trust_remote_code)
+                                      enable_sleep_mode=sleep, trust_remote_code=trust_remote_code)
         self.envs = environments(agent, agent_file, env_timeout)  # a user's file: in a process of its own, killed on a timeout
         self.max_len, self.max_turns = max_len, max_turns
         self.version = 0

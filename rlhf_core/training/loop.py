@@ -78,7 +78,7 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlhf_core.runtime.cluster import free_port
-        from rlhf_core.runtime.worker import TrainWorker
+        from rlhf_core.training.worker import TrainWorker
 
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if cfg.gpus_per_worker else {})}
         self.pg = pg or placement_group([bundle] * cfg.num_workers, strategy="PACK")

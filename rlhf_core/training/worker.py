@@ -14,18 +14,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf_core.runtime import faults
+from rlhf_core.runtime.actor import PeakMemory
 from rlhf_core.training.checkpoint import CheckpointLoadError, explain
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.engine import build_engine, init_distributed, load_model
-
-
-class PeakMemory:
-    """Every actor reports its process's peak resident memory (the burst check and rl metrics)."""
-
-    def peak_rss_mb(self) -> float:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 class TrainWorker(PeakMemory):
