@@ -273,14 +273,14 @@ def policy_loss_settings(cfg: Config) -> dict:
             "agg_mode": pick(cfg.loss_agg_mode, "agg_mode")}
 
 
-def make_losses(cfg: Config):
-    """(policy loss, critic loss) as the workers run them: `partial`s of `rl_step`'s loss
-    functions with this run's settings (the KL-loss coefficient is bound per step)."""
+def make_losses(cfg: Config) -> tuple[rl_step.PolicyObjective, rl_step.CriticObjective]:
+    """(policy loss, critic loss) as the workers run them, with this run's settings (the KL-loss
+    coefficient is set per step)."""
     settings = policy_loss_settings(cfg)
-    policy = partial(rl_step.policy_loss_fn, loss_type=cfg.loss_type, dual_clip=cfg.dual_clip, norm_len=cfg.max_new_tokens,
-                     kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, is_correction=cfg.is_correction, is_low=cfg.is_low,
-                     is_high=cfg.is_high, temperature=cfg.temperature, kl_loss_coef=0.0, **settings)
-    critic = partial(rl_step.critic_loss_fn, value_clip=cfg.value_clip, agg_mode=settings["agg_mode"], norm_len=cfg.max_new_tokens)
+    policy = rl_step.PolicyObjective(loss_type=cfg.loss_type, dual_clip=cfg.dual_clip, norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, is_correction=cfg.is_correction,
+                                     is_low=cfg.is_low, is_high=cfg.is_high, **settings)
+    critic = rl_step.CriticObjective(value_clip=cfg.value_clip, agg_mode=settings["agg_mode"], norm_len=cfg.max_new_tokens)
     return policy, critic
 
 
@@ -456,8 +456,8 @@ def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_p
 @dataclass
 class Objective:
     """This run's losses and KL controller, built once from the config."""
-    policy_loss: partial
-    critic_loss: partial
+    policy_loss: rl_step.PolicyObjective
+    critic_loss: rl_step.CriticObjective
     kl: AdaptiveKLController | FixedKLController
     collate: rl_step.RLCollate
 
@@ -479,7 +479,7 @@ def train_on(roles: Roles, cfg: Config, obj: Objective, kept: list[dict], step: 
     if cfg.engine_sleep:
         roles.sleep_engines()
     kl_loss_coef = obj.kl.value if cfg.kl_mode == "loss" else 0.0
-    stats = update(roles.policy, cfg, kept, obj.collate, partial(obj.policy_loss, kl_loss_coef=kl_loss_coef), step)
+    stats = update(roles.policy, cfg, kept, obj.collate, replace(obj.policy_loss, kl_loss_coef=kl_loss_coef), step)
     row = {}
     if roles.critic:
         cstats = update(roles.critic, cfg, kept, obj.collate, obj.critic_loss, step)

@@ -10,12 +10,14 @@ response token at absolute position p  <->  logits row p - 1.  So every `(B, T-1
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlhf_core.algos.advantages import ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES
 from rlhf_core.algos.aggregation import aggregate, masked_mean, masked_whiten
 from rlhf_core.algos.kl import kl_penalty
-from rlhf_core.algos.losses import IS_CORRECTIONS, POLICY_LOSSES, entropy_bonus, token_logprobs, value_loss
+from rlhf_core.algos.losses import IS_CORRECTIONS, POLICY_LOSSES, entropy_bonus, entropy_from_logits, token_logprobs, value_loss
 from rlhf_core.algos.shaping import kl_shaped_rewards
 
 PER_TOKEN = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
@@ -99,46 +101,69 @@ def values_fn(model, batch) -> list[list[float]]:
     return _slices(values, batch)
 
 
-def policy_loss_fn(model, batch, counts, loss_type: str, clip_low: float, clip_high: float, dual_clip: float | None, agg_mode: str,
-                   norm_len: int, kl_loss_coef: float, kl_estimator: str, entropy_coef: float, is_correction: str | None,
-                   is_low: float, is_high: float, temperature: float = 1.0):
-    """Policy-gradient loss (ppo/gspo surrogate) + optional KL-to-reference loss term + entropy
-    bonus, all on the policy at the sampling `temperature` (logits / T: the distribution the
-    rollouts came from, so the ratio to the old and engine log-probs is on-policy at step start).
-    Aggregated with the *global* token/sequence counts of the mini-batch, so the ranks' losses
-    sum to the single-process loss."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature  # once, for the log-probs and the entropy alike
-    lp = token_logprobs(logits, batch["input_ids"][:, 1:])
-    mask = batch["action_mask"]
-    agg = dict(agg_mode=agg_mode, num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=norm_len)
-    is_w, stats = None, {}
-    if is_correction:
-        is_w, stats = IS_CORRECTIONS[is_correction](batch["old_logprobs"], batch["engine_logprobs"], mask, is_low, is_high)
-    loss, pstats = POLICY_LOSSES[loss_type](lp, batch["old_logprobs"], batch["advantages"], mask, clip_low, clip_high, dual_clip, is_w, **agg)
-    stats.update(pstats)
-    if kl_loss_coef:
-        kl = kl_penalty(lp, batch["ref_logprobs"], kl_estimator)
-        kl_term = aggregate(kl, mask, agg_mode, counts["num_tokens"], counts["num_seqs"], norm_len)
-        loss = loss + kl_loss_coef * kl_term
-        stats["kl_loss"] = masked_mean(kl.detach(), mask)
-    if entropy_coef:
-        ent_loss, estats = entropy_bonus(logits, mask, entropy_coef, **agg)
-        loss = loss + ent_loss
-        stats.update(estats)
-    else:
-        with torch.no_grad():
-            from rlhf_core.algos.losses import entropy_from_logits
+@dataclass(frozen=True)
+class PolicyObjective:
+    """The policy loss of a run, built once from its config (`stages.rl.make_losses`) and shipped
+    to the policy workers, which call it as `loss_fn(model, batch, counts)`: the surrogate
+    (`POLICY_LOSSES[loss_type]`: ppo / gspo) + optional KL-to-reference term + entropy bonus, all
+    on the policy at the sampling `temperature` (logits / T: the distribution the rollouts came
+    from, so the ratio to the old and engine log-probs is on-policy at step start).  Aggregated
+    with the *global* token/sequence counts of the mini-batch, so the ranks' losses sum to the
+    single-process loss.  Each term gets only its own settings, by keyword."""
+    loss_type: str
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    agg_mode: str
+    norm_len: int
+    temperature: float = 1.0
+    kl_loss_coef: float = 0.0
+    """Set per step (the KL controller's value when kl_mode=loss): `dataclasses.replace`."""
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    is_correction: str | None = None
+    is_low: float = 0.5
+    is_high: float = 2.0
 
-            stats["entropy"] = masked_mean(entropy_from_logits(logits), mask)
-    return loss, stats
+    def __call__(self, model, batch, counts):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature  # once, for the log-probs and the entropy alike
+        lp = token_logprobs(logits, batch["input_ids"][:, 1:])
+        mask = batch["action_mask"]
+        agg = dict(agg_mode=self.agg_mode, num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=self.norm_len)
+        is_weights, stats = None, {}
+        if self.is_correction:
+            is_weights, stats = IS_CORRECTIONS[self.is_correction](batch["old_logprobs"], batch["engine_logprobs"], mask,
+                                                                   low=self.is_low, high=self.is_high)
+        loss, pstats = POLICY_LOSSES[self.loss_type](lp, batch["old_logprobs"], batch["advantages"], mask, clip_low=self.clip_low,
+                                                     clip_high=self.clip_high, dual_clip=self.dual_clip, is_weights=is_weights, **agg)
+        stats.update(pstats)
+        if self.kl_loss_coef:
+            kl = kl_penalty(lp, batch["ref_logprobs"], self.kl_estimator)
+            loss = loss + self.kl_loss_coef * aggregate(kl, mask, self.agg_mode, counts["num_tokens"], counts["num_seqs"], self.norm_len)
+            stats["kl_loss"] = masked_mean(kl.detach(), mask)
+        if self.entropy_coef:
+            ent_loss, estats = entropy_bonus(logits, mask, self.entropy_coef, **agg)
+            loss = loss + ent_loss
+            stats.update(estats)
+        else:
+            with torch.no_grad():
+                stats["entropy"] = masked_mean(entropy_from_logits(logits), mask)
+        return loss, stats
 
 
-def critic_loss_fn(model, batch, counts, value_clip: float | None, agg_mode: str, norm_len: int):
-    values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
-    return value_loss(values, batch["old_values"], batch["returns"], batch["action_mask"], value_clip, agg_mode,
-                      counts["num_tokens"], counts["num_seqs"], norm_len)
+@dataclass(frozen=True)
+class CriticObjective:
+    """The critic's (clipped) value loss, called by the critic workers as `loss_fn(model, batch, counts)`."""
+    value_clip: float | None
+    agg_mode: str
+    norm_len: int
+
+    def __call__(self, model, batch, counts):
+        values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+        return value_loss(values, batch["old_values"], batch["returns"], batch["action_mask"], clip=self.value_clip, agg_mode=self.agg_mode,
+                          num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=self.norm_len)
 
 
 def token_counts(samples: list[dict]) -> dict:

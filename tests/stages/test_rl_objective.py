@@ -108,3 +108,21 @@ def test_dynamic_sampling_refills_the_batch_from_further_prompts(monkeypatch):
     # off: one round, nothing filtered
     plain, _, drawn, rounds = rl.sample_batch(None, cfg.__class__(prompts_per_step=4, n_samples=2, global_batch_size=8), rows, 0, times)
     assert (drawn, rounds) == (4, 1) and all(s["filter"] == "kept" for s in plain)
+
+
+def test_the_kl_loss_term_reaches_the_policy_loss():
+    """kl_mode=loss: the step's KL coefficient is set on the run's frozen objective; the term is
+    coef * k3 with k3 = r - 1 - log r, r = pi_ref / pi (here 1/2 on every token)."""
+    from dataclasses import replace
+
+    model = lambda input_ids, attention_mask: SimpleNamespace(logits=LOGITS)  # noqa: E731
+    counts = {"num_tokens": 2, "num_seqs": 1}
+    b = batch(1.0, 1.0)
+    b["ref_logprobs"] = b["ref_logprobs"] - math.log(2.0)
+    loss_fn, _ = make_losses(Config())
+    assert loss_fn.kl_loss_coef == 0.0
+    base, stats = loss_fn(model, b, counts)
+    with_kl, kl_stats = replace(loss_fn, kl_loss_coef=0.5)(model, b, counts)
+    k3 = 0.5 - 1 + math.log(2.0)
+    assert float(with_kl - base) == pytest.approx(0.5 * k3, abs=1e-6) and float(kl_stats["kl_loss"]) == pytest.approx(k3, abs=1e-6)
+    assert "kl_loss" not in stats
