@@ -166,21 +166,52 @@ def cmd_data_check(args) -> int:
     return 0
 
 
+def _with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted config override, repeatable")
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    return p
+
+
+def _inspection_commands(sub) -> None:
+    """rollouts, serve-reward, config, data: the commands around the pipeline."""
+    rollouts = sub.add_parser("rollouts", help="inspect RL rollouts").add_subparsers(dest="rollouts_command", required=True)
+    p = rollouts.add_parser("show", help="per-step reward/length/KL summary and a few samples of rollout Parquet")
+    p.add_argument("path", help="artifacts/rl/rollouts or one step_NNNNNN.parquet")
+    p.add_argument("--samples", type=int, default=3, help="samples to print from the last step")
+    p.set_defaults(func=cmd_rollouts_show)
+
+    p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score) for rl.reward_url")
+    p.add_argument("model", help="reward model dir, e.g. artifacts/rm/model")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; the server has no auth)")
+    p.add_argument("--port", type=int, default=8765)
+    p.set_defaults(func=cmd_serve_reward)
+
+    config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
+    p = _with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))
+    p.add_argument("stage", help=f"one of: {STAGE_NAMES}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
+    p.set_defaults(func=cmd_config_show)
+
+    data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("check", help="validate a JSONL/Parquet/HF-datasets file; write rejects with reasons")
+    p.add_argument("path")
+    p.add_argument("--kind", required=True, choices=["sft", "pref", "rl"],
+                   help="sft: prompt,response; pref: prompt,chosen,rejected; rl: prompt,label")
+    p.add_argument("--rejects", help="rejects file (default: PATH.rejects.jsonl)")
+    p.add_argument("--max-chars", type=int, default=4096)
+    p.add_argument("--max-reject-ratio", type=float, default=0.05)
+    p.set_defaults(func=cmd_data_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline: prepare -> sft -> rm/dpo -> rl")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def with_config(p):
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="dotted config override, repeatable")
-        p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-        return p
-
-    p = with_config(sub.add_parser("prepare", help="write task data to data/ and the tiny base model to artifacts/base/"))
+    p = _with_config(sub.add_parser("prepare", help="write task data to data/ and the tiny base model to artifacts/base/"))
     p.set_defaults(func=cmd_prepare)
 
     stage = sub.add_parser("stage", help="run pipeline stages").add_subparsers(dest="stage_command", required=True)
-    p = with_config(stage.add_parser("run", help="run one stage as a Ray job; resumes from its last checkpoint"))
+    p = _with_config(stage.add_parser("run", help="run one stage as a Ray job; resumes from its last checkpoint"))
     p.add_argument("stage", help=f"one of: {STAGE_NAMES}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
     p.add_argument("--detach", action="store_true",
                    help="with RAY_ADDRESS: submit, print the job id and how to follow it, and exit; the job runs on "
@@ -212,32 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cron", default="0 2 * * *", help="nightly schedule (default 02:00)")
     p.set_defaults(func=cmd_serve)
 
-    rollouts = sub.add_parser("rollouts", help="inspect RL rollouts").add_subparsers(dest="rollouts_command", required=True)
-    p = rollouts.add_parser("show", help="per-step reward/length/KL summary and a few samples of rollout Parquet")
-    p.add_argument("path", help="artifacts/rl/rollouts or one step_NNNNNN.parquet")
-    p.add_argument("--samples", type=int, default=3, help="samples to print from the last step")
-    p.set_defaults(func=cmd_rollouts_show)
-
-    p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score) for rl.reward_url")
-    p.add_argument("model", help="reward model dir, e.g. artifacts/rm/model")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; the server has no auth)")
-    p.add_argument("--port", type=int, default=8765)
-    p.set_defaults(func=cmd_serve_reward)
-
-    config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
-    p = with_config(config.add_parser("show", help="print a stage's resolved config and its hash"))
-    p.add_argument("stage", help=f"one of: {STAGE_NAMES}; a variant of params.yaml's STAGE_variants: STAGE@NAME (e.g. rl@rlhf)")
-    p.set_defaults(func=cmd_config_show)
-
-    data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
-    p = data.add_parser("check", help="validate a JSONL/Parquet/HF-datasets file; write rejects with reasons")
-    p.add_argument("path")
-    p.add_argument("--kind", required=True, choices=["sft", "pref", "rl"],
-                   help="sft: prompt,response; pref: prompt,chosen,rejected; rl: prompt,label")
-    p.add_argument("--rejects", help="rejects file (default: PATH.rejects.jsonl)")
-    p.add_argument("--max-chars", type=int, default=4096)
-    p.add_argument("--max-reject-ratio", type=float, default=0.05)
-    p.set_defaults(func=cmd_data_check)
+    _inspection_commands(sub)
     return parser
 
 

@@ -46,3 +46,16 @@ def test_xdist_groups_reach_the_scheduler(request):
     if not getattr(request.config.option, "loadgroup", False):  # set in each xdist worker
         pytest.skip("not under --dist loadgroup")
     assert request.node.nodeid.endswith("@hygiene"), request.node.nodeid
+
+
+def test_no_function_is_longer_than_a_screen():
+    """A driver that grows past ~60 lines is two things in one (issue 17): split it."""
+    import ast
+
+    long = []
+    for pkg in ("rlhf_core", "stages", "flows"):
+        for f in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
