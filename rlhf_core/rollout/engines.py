@@ -93,9 +93,9 @@ class HFEngine:
     sample does not depend on what else is in the batch)."""
 
     def __init__(self, model_path: str, max_model_len: int, seed: int, dtype: str = "float32", trust_remote_code: bool = False, **_):
-        from transformers import AutoModelForCausalLM
+        from rlhf_core.models.load import load_model
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
+        self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval()
         self.eos = self.model.generation_config.eos_token_id
         self.pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos
 

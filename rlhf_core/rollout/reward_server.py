@@ -19,13 +19,11 @@ log = logging.getLogger("rlhf.reward_server")
 
 
 def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_batch: int = 512) -> ThreadingHTTPServer:
-    from transformers import AutoTokenizer
-
+    from rlhf_core.models.load import load_tokenizer
     from rlhf_core.rollout.rewards import ModelReward
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model = ModelReward(model_path, pad)
+    tokenizer = load_tokenizer(model_path)  # no pad token: pads with EOS
+    model = ModelReward(model_path, tokenizer.pad_token_id)
     lock = threading.Lock()  # one forward at a time: torch threads are already parallel
 
     class Handler(BaseHTTPRequestHandler):

@@ -108,15 +108,13 @@ class ModelReward:
     normalised by."""
 
     def __init__(self, path: str, pad_token_id: int, normalize: bool = True, trust_remote_code: bool = False):
-        from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+        from rlhf_core.models.load import load_model
 
         stats_path = Path(path) / "reward_stats.json"
         stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
         self.pooling = stats.get("pooling", "last")
-        from transformers import AutoModelForCausalLM
-
-        cls = {"last": AutoModelForSequenceClassification, "logprob": AutoModelForCausalLM}.get(self.pooling, AutoModelForTokenClassification)
-        self.model = cls.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
+        kind = {"last": "reward", "logprob": "causal_lm"}.get(self.pooling, "value")  # token-level poolings: a value head
+        self.model = load_model(path, kind, dtype=None, trust_remote_code=trust_remote_code).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = pad_token_id
         self.pad = self.model.config.pad_token_id

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from rlhf_core.models.load import load_model, load_tokenizer
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
 
@@ -21,13 +22,11 @@ class RolloutWorker(PeakMemory):
     def __init__(self, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
                  max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: bool = False,
                  trust_remote_code: bool = False, threads: int = 1):
-        from transformers import AutoTokenizer
-
         from rlhf_core.rollout.agents import environments
         from rlhf_core.rollout.engines import ENGINES
 
         torch.set_num_threads(max(1, threads))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         # every engine takes the same settings and ignores what it has no use for (hf: memory, sleep)
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                       enable_sleep_mode=sleep, trust_remote_code=trust_remote_code)
@@ -134,10 +133,8 @@ class ForwardWorker(PeakMemory):
     """A frozen model used only for forward passes (the reference policy)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", trust_remote_code: bool = False, threads: int = 1):
-        from transformers import AutoModelForCausalLM
-
         torch.set_num_threads(max(1, threads))
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
+        self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval()
 
     def ready(self) -> bool:
         return True

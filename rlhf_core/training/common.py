@@ -14,20 +14,14 @@ from rlhf_core.config import config_hash, config_to_dict, from_dict, restore_sec
 from rlhf_core.data.io import DataError, load_rows
 from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
+from rlhf_core.models import load as models_load
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.engine import check_model_path
 
 log = logging.getLogger("rlhf.stage")
 
 
 def load_tokenizer(cfg: TrainConfig):
-    from transformers import AutoTokenizer
-
-    check_model_path(cfg.model_path)
-    tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token  # common for hub models; padding is masked everywhere
-    return tok
+    return models_load.load_tokenizer(cfg.model_path, cfg.trust_remote_code)
 
 
 def prompt_formatter(tokenizer, use_chat_template: bool):

@@ -1,4 +1,5 @@
-"""DeepSpeed engine setup: process group, model loading, optimizer, scheduler, ds_config.
+"""DeepSpeed engine setup: process group, optimizer, scheduler, ds_config (models load through
+`rlhf_core.models.load`).
 
 A torch AdamW is handed to `deepspeed.initialize` (DeepSpeed's own CPU Adam compiles C++ on
 first use, 20-35 s on every fresh machine).  One forward/backward per worker per step (no
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import torch
 
@@ -61,28 +61,6 @@ def lr_lambda(cfg: TrainConfig):
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return fn
-
-
-def check_model_path(path: str) -> None:
-    """A local path that does not exist is a clear error (not a confusing hub lookup)."""
-    if path.startswith((".", "/", "artifacts")) and not Path(path).exists():
-        raise FileNotFoundError(f"model_path {path!r} does not exist (run the upstream stage first, or set --set STAGE.model_path=...)")
-
-
-def load_model(path: str, kind: str, cfg: TrainConfig):
-    """`kind`: "causal_lm", "reward" (sequence classification head with one label) or "value"
-    (a critic: token classification head with one label = V(s_t) at every position)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
-
-    check_model_path(path)
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    if kind == "reward":
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    elif kind == "value":
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    return model
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:

@@ -13,11 +13,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf_core.models.load import load_model
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
 from rlhf_core.training.checkpoint import CheckpointLoadError, explain
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.engine import build_engine, init_distributed, load_model
+from rlhf_core.training.engine import build_engine, init_distributed
 
 
 class TrainWorker(PeakMemory):
@@ -29,7 +30,7 @@ class TrainWorker(PeakMemory):
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)
         init_distributed(rank, world_size, master_port)
-        model = load_model(model_path, model_kind, cfg)
+        model = load_model(model_path, model_kind, cfg.dtype, cfg.trust_remote_code)
         if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = pad_token_id  # sequence classification finds the last token by it
         self.engine = build_engine(model, cfg)

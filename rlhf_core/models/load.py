@@ -1,0 +1,44 @@
+"""The one place a model or tokenizer is loaded, from a local path or a hub id: the training
+workers, the rollout engines (HF), the reference, the reward model and the reward server all come
+through here, so a kind gets the same head and a dtype the same meaning everywhere, and a missing
+local path is the same clear error."""
+from __future__ import annotations
+
+from pathlib import Path
+
+KINDS = ("causal_lm", "reward", "value")
+"""causal_lm: the LM head; reward: a sequence-classification head with one label (a score per
+sequence); value: a token-classification head with one label (a critic's V(s_t) at every position)."""
+
+
+def check_model_path(path: str) -> None:
+    """A local path that does not exist is a clear error (not a confusing hub lookup)."""
+    if path.startswith((".", "/", "artifacts")) and not Path(path).exists():
+        raise FileNotFoundError(f"model_path {path!r} does not exist (run the upstream stage first, or set --set STAGE.model_path=...)")
+
+
+def load_model(path: str, kind: str = "causal_lm", dtype: str | None = "float32", trust_remote_code: bool = False):
+    """`kind` (one of KINDS) from `path`.  `dtype`: a torch dtype name ("float32", "bfloat16"), or
+    None for transformers' default (the reward model keeps the dtype it was saved in)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; valid: {KINDS}")
+    check_model_path(path)
+    cls = {"causal_lm": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification, "value": AutoModelForTokenClassification}[kind]
+    heads = {} if kind == "causal_lm" else {"num_labels": 1}
+    dtypes = {} if dtype is None else {"dtype": getattr(torch, dtype)}
+    return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **heads, **dtypes)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer of `path`; one without a pad token pads with EOS (common for hub models;
+    padding is masked everywhere)."""
+    from transformers import AutoTokenizer
+
+    check_model_path(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
