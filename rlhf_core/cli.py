@@ -138,7 +138,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_rollouts_show(args) -> int:
-    from rlhf_core.artifacts.rollouts import summarize
+    from rlhf_core.rollout.parquet import summarize
 
     print(summarize(args.path, args.samples))
     return 0

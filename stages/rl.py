@@ -23,11 +23,14 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from rlhf_core.algos.advantages import ALGO_RECIPES
 from rlhf_core.algos.losses import POLICY_LOSS_DEFAULTS
 from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dynamic_sampling_filter, overlong_penalty
-from rlhf_core.artifacts import rollouts as rollout_io
 from rlhf_core.evaluation import exact_match_accuracy
+from rlhf_core.rollout import parquet as rollout_io
+from rlhf_core.rollout.batch import RolloutBatch
 from rlhf_core.runtime import faults
 from rlhf_core.training import common, rl_step
 from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, save_checkpoint, start_or_resume
@@ -287,7 +290,7 @@ def make_losses(cfg: Config) -> tuple[rl_step.PolicyObjective, rl_step.CriticObj
 # --- one step -------------------------------------------------------------------------------
 
 
-def rollout(roles: Roles, cfg: Config, rows: list[dict], step_prompts: list[int], consumed: int) -> list[dict]:
+def rollout(roles: Roles, cfg: Config, rows: list[dict], step_prompts: list[int], consumed: int) -> RolloutBatch:
     """Every prompt x n_samples as an episode, spread over the rollout workers."""
     jobs = []
     for j, idx in enumerate(step_prompts):
@@ -298,59 +301,52 @@ def rollout(roles: Roles, cfg: Config, rows: list[dict], step_prompts: list[int]
     refs = [w.rollout.remote([x["row"]["prompt"] for x in s], [x["row"]["label"] for x in s], [x["seed"] for x in s], cfg.max_new_tokens,
                              cfg.temperature) for w, s in zip(roles.rollout, shards) if s]
     results = roles.get(refs, "rollout")
-    samples = []
-    for shard, eps in zip([s for s in shards if s], results):
-        for job, ep in zip(shard, eps):
-            ep.update(prompt=job["row"]["prompt"], label=job["row"]["label"], prompt_id=job["row"].get("id", str(job["group"])),
-                      group=job["group"], sample_index=job["sample_index"], filter="kept")
-            samples.append(ep)
-    samples.sort(key=lambda s: (s["group"], s["sample_index"]))
-    return samples
+    done = sorted((pair for shard, eps in zip([s for s in shards if s], results) for pair in zip(shard, eps)),
+                  key=lambda pair: (pair[0]["group"], pair[0]["sample_index"]))
+    return RolloutBatch.from_episodes([ep for _, ep in done], [job for job, _ in done])
 
 
-def score(roles: Roles, cfg: Config, samples: list[dict]) -> int:
-    return apply_rewards(cfg, samples, roles.get(roles.reward.score.remote(samples), "reward"))
+def score(roles: Roles, cfg: Config, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+    return apply_rewards(cfg, batch, roles.get(roles.reward.score.remote(batch.reward_inputs()), "reward"))
 
 
-def apply_rewards(cfg: Config, samples: list[dict], scored: list[dict]) -> int:
-    """Rewards + penalties into each sample; returns the number of invalid samples (marked
-    `filter = invalid`, never scored 0).  Raises above `max_invalid_ratio`."""
-    invalid = 0
-    for s, r in zip(samples, scored):
-        s["reward"], s["components"], s["invalid"] = r["score"], r["components"], r["invalid"]
-        if r["invalid"]:
-            s["filter"], invalid = "invalid", invalid + 1
-            continue
+def apply_rewards(cfg: Config, batch: RolloutBatch, scored: list[dict]) -> tuple[RolloutBatch, int]:
+    """The batch with rewards, penalties and the invalid ones marked (`filter = invalid`, never
+    scored 0), and the number of invalid samples.  Raises above `max_invalid_ratio`."""
+    reasons = [r["invalid"] for r in scored]
+    lengths = batch.action_mask.sum(-1)
+    components, scores = [dict(r["components"]) for r in scored], []
+    for i, r in enumerate(scored):
         penalty = 0.0
-        if cfg.overlong_buffer:
-            import torch
-
-            length = torch.tensor([float(sum(s["action_mask"]))])
-            penalty = float(overlong_penalty(length, cfg.max_new_tokens * s["turns"], cfg.overlong_buffer, cfg.overlong_penalty)[0])
-            s["components"]["overlong_penalty"] = penalty
-        s["score"] = s["reward"] + penalty
+        if cfg.overlong_buffer and not r["invalid"]:
+            penalty = float(overlong_penalty(lengths[i:i + 1], cfg.max_new_tokens * batch.turns[i], cfg.overlong_buffer, cfg.overlong_penalty)[0])
+            components[i]["overlong_penalty"] = penalty
+        scores.append(r["score"] + penalty)
+    invalid = sum(1 for x in reasons if x)
     if invalid:
-        reasons = sorted({s["invalid"] for s in samples if s["invalid"]})
-        log.warning("%d of %d samples have an invalid reward (dropped): %s", invalid, len(samples), reasons[:3])
-    if invalid / len(samples) > cfg.max_invalid_ratio:
-        raise RuntimeError(f"{invalid} of {len(samples)} samples have an invalid reward, above max_invalid_ratio={cfg.max_invalid_ratio}: "
-                           f"{sorted({s['invalid'] for s in samples if s['invalid']})[:3]}")
-    return invalid
+        log.warning("%d of %d samples have an invalid reward (dropped): %s", invalid, len(batch), sorted({x for x in reasons if x})[:3])
+    batch = batch.with_columns(reward=[r["score"] for r in scored], components=components, invalid=reasons, score=scores,
+                               filter=["invalid" if x else f for x, f in zip(reasons, batch.filter)])
+    if invalid / len(batch) > cfg.max_invalid_ratio:
+        raise RuntimeError(f"{invalid} of {len(batch)} samples have an invalid reward, above max_invalid_ratio={cfg.max_invalid_ratio}: "
+                           f"{sorted({x for x in reasons if x})[:3]}")
+    return batch, invalid
 
 
-def apply_dynamic_sampling(samples: list[dict]) -> None:
-    import torch
-
-    kept = [s for s in samples if s["filter"] == "kept"]
+def apply_dynamic_sampling(batch: RolloutBatch) -> RolloutBatch:
+    """Kept groups whose scores are all equal become `zero_variance_group` (DAPO)."""
+    kept = [i for i, f in enumerate(batch.filter) if f == "kept"]
     if not kept:
-        return
-    keep = dynamic_sampling_filter(torch.tensor([s["score"] for s in kept]), torch.tensor([s["group"] for s in kept]))
-    for s, k in zip(kept, keep.tolist()):
+        return batch
+    keep = dynamic_sampling_filter(torch.tensor([batch.score[i] for i in kept]), torch.tensor([batch.group[i] for i in kept]))
+    filters = list(batch.filter)
+    for i, k in zip(kept, keep.tolist()):
         if not k:
-            s["filter"] = "zero_variance_group"
+            filters[i] = "zero_variance_group"
+    return batch.with_columns(filter=filters)
 
 
-def sample_batch(roles: Roles, cfg: Config, rows: list[dict], consumed: int, times: dict) -> tuple[list[dict], int, int, int]:
+def sample_batch(roles: Roles, cfg: Config, rows: list[dict], consumed: int, times: dict) -> tuple[RolloutBatch, int, int, int]:
     """One step's samples: `prompts_per_step` prompts (the next in the seeded data order) x
     `n_samples`, rolled out and scored.  With DAPO dynamic sampling (Yu et al. 2025, §3.2) groups
     whose scores are all equal are filtered out (`zero_variance_group`) and further rounds of
@@ -358,7 +354,7 @@ def sample_batch(roles: Roles, cfg: Config, rows: list[dict], consumed: int, tim
     `dynamic_sampling_rounds` rounds; kept groups beyond the batch are marked `surplus` (DAPO trims
     to the batch size).  Every drawn prompt counts as consumed, so a resume replays the same rounds.
     Returns (samples of every round, invalid count, prompts drawn, rounds)."""
-    samples, invalid, drawn, rounds = [], 0, 0, 0
+    rounds_out, invalid, drawn, rounds = [], 0, 0, 0
     while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         rounds += 1
         tic = time.time()
@@ -367,50 +363,48 @@ def sample_batch(roles: Roles, cfg: Config, rows: list[dict], consumed: int, tim
         drawn += len(idx)
         times["rollout_s"] += time.time() - tic
         tic = time.time()
-        invalid += score(roles, cfg, batch)
+        batch, bad = score(roles, cfg, batch)
+        invalid += bad
         times["reward_s"] += time.time() - tic
-        samples += batch
         if not cfg.dynamic_sampling:
+            rounds_out.append(batch)
             break
-        apply_dynamic_sampling(batch)
-        if len({s["group"] for s in samples if s["filter"] == "kept"}) >= cfg.prompts_per_step:
+        rounds_out.append(apply_dynamic_sampling(batch))
+        if len({g for b in rounds_out for g, f in zip(b.group, b.filter) if f == "kept"}) >= cfg.prompts_per_step:
             break
+    samples = RolloutBatch.concat(rounds_out)
     if cfg.dynamic_sampling:
-        groups = sorted({s["group"] for s in samples if s["filter"] == "kept"})
-        for s in samples:
-            if s["filter"] == "kept" and s["group"] not in groups[:cfg.prompts_per_step]:
-                s["filter"] = "surplus"
+        groups = sorted({g for g, f in zip(samples.group, samples.filter) if f == "kept"})
+        batch_groups = set(groups[:cfg.prompts_per_step])
+        samples = samples.with_columns(filter=["surplus" if f == "kept" and g not in batch_groups else f
+                                               for g, f in zip(samples.group, samples.filter)])
         if len(groups) < cfg.prompts_per_step:
             log.warning("dynamic sampling: %d of %d groups kept after %d rounds (dynamic_sampling_rounds); training on them",
                         len(groups), cfg.prompts_per_step, rounds)
     return samples, invalid, drawn, rounds
 
 
-def forward_stats(roles: Roles, cfg: Config, samples: list[dict], collate) -> None:
-    """old log-probs (policy), reference log-probs, values (critic) for the kept samples."""
-    batches = common.batches(collate, samples, cfg.eval_batch_size)
+def forward_stats(roles: Roles, cfg: Config, kept: RolloutBatch, collate) -> RolloutBatch:
+    """The kept samples with old log-probs (policy), reference log-probs and values (critic)."""
+    batches = common.batches(collate, kept, cfg.eval_batch_size)
     logprobs = partial(rl_step.logprobs_fn, temperature=cfg.temperature)  # the distribution the engine sampled from
     ref = roles.reference.evaluate.remote(batches, logprobs)
     old = roles.policy.call_rank0("evaluate", batches, logprobs)
     values = roles.critic.call_rank0("evaluate", batches, rl_step.values_fn) if roles.critic else None
-    ref = roles.get(ref, "reference forward")
-    for i, s in enumerate(samples):
-        s["old_logprobs"], s["ref_logprobs"] = old[i], ref[i]
-        if values is not None:
-            s["old_values"] = values[i]
+    return kept.with_columns(old_logprobs=old, ref_logprobs=roles.get(ref, "reference forward"), old_values=values)
 
 
-def update(group: WorkerGroup, cfg: Config, samples: list[dict], collate, loss_fn, step: int) -> list[dict]:
+def update(group: WorkerGroup, cfg: Config, batch: RolloutBatch, collate, loss_fn, step: int) -> list[dict]:
     """`ppo_epochs` passes over the samples in mini-batches of global_batch_size (rescaled when
     filtering removed samples); deterministic shuffles."""
     rows, n = [], len(group.workers)
-    n_mb = max(1, min(round(cfg.prompts_per_step * cfg.n_samples / cfg.global_batch_size), len(samples) // n))
+    n_mb = max(1, min(round(cfg.prompts_per_step * cfg.n_samples / cfg.global_batch_size), len(batch) // n))
     for epoch in range(cfg.ppo_epochs):
-        order = list(range(len(samples)))
+        order = list(range(len(batch)))
         random.Random(cfg.seed * 7919 + step * 31 + epoch).shuffle(order)
         size = math.ceil(len(order) / n_mb)
         for start in range(0, len(order), size):
-            mb = [samples[i] for i in order[start:start + size]]  # >= n samples: every rank gets one
+            mb = batch.select(order[start:start + size])  # >= n samples: every rank gets one
             results = group.train_step(mb, collate, loss_fn, rl_step.token_counts(mb), step=step)
             rows.append({k: sum(r[k] for r in results) / (1 if k == "loss" else len(results)) for k in results[0]})
     return rows
@@ -468,13 +462,14 @@ class Objective:
         return cls(policy, critic, kl, rl_step.RLCollate(pad_id))
 
 
-def train_on(roles: Roles, cfg: Config, obj: Objective, kept: list[dict], step: int, times: dict) -> tuple[dict, bool]:
-    """forward -> advantages -> update (policy, then critic) on the kept samples.
-    Returns (the step's training stats, whether every rank skipped the policy update)."""
+def train_on(roles: Roles, cfg: Config, obj: Objective, kept: RolloutBatch, step: int, times: dict) -> tuple[RolloutBatch, dict, bool]:
+    """forward -> advantages -> update (policy, then critic) on the kept samples.  Returns (the
+    kept samples with their forward and advantage columns, the step's training stats, whether
+    every rank skipped the policy update)."""
     tic = time.time()
-    forward_stats(roles, cfg, kept, obj.collate)
-    adv_stats = rl_step.compute_advantages(kept, cfg.algo, obj.kl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
-                                           cfg.lam, cfg.whiten_gae, cfg.reward_clip)
+    kept = forward_stats(roles, cfg, kept, obj.collate)
+    kept, adv_stats = rl_step.compute_advantages(kept, cfg.algo, obj.kl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
+                                                 cfg.lam, cfg.whiten_gae, cfg.reward_clip)
     times["forward_s"], tic = time.time() - tic, time.time()
     if cfg.engine_sleep:
         roles.sleep_engines()
@@ -486,45 +481,48 @@ def train_on(roles: Roles, cfg: Config, obj: Objective, kept: list[dict], step: 
         row.update({f"critic/{k}": sum(r[k] for r in cstats) / len(cstats) for k in ("loss", "value_error") if cstats and k in cstats[0]})
     times["update_s"] = time.time() - tic
     row.update({f"train/{k}": sum(r[k] for r in stats) / len(stats) for k in stats[0] if k != "skipped"} if stats else {})
-    return {**row, **adv_stats}, any(r.get("skipped") for r in stats)
+    return kept, {**row, **adv_stats}, any(r.get("skipped") for r in stats)
 
 
-def sample_stats(samples: list[dict]) -> dict:
+def sample_stats(batch: RolloutBatch) -> dict:
     """Reward (the one trained on, and the gold one beside it), length and truncation of every
     sample drawn this step."""
-    valid = [s["reward"] for s in samples if not s["invalid"]]
-    gold = [s["components"]["gold"] for s in samples if not s["invalid"] and "gold" in s["components"]]
+    ok = [i for i, why in enumerate(batch.invalid) if not why]
+    valid = [batch.reward[i] for i in ok]
+    gold = [batch.components[i]["gold"] for i in ok if "gold" in batch.components[i]]
     row = {"train/reward_proxy": sum(valid) / max(1, len(valid)), "train/reward_gold": sum(gold) / len(gold)} if gold else {}
-    return {**row, "reward_mean": sum(valid) / max(1, len(valid)),
-            "response_length": sum(sum(s["action_mask"]) for s in samples) / len(samples),
-            "truncated": sum(s["finish_reason"] == "length" for s in samples) / len(samples)}
+    return {**row, "reward_mean": sum(valid) / max(1, len(valid)), "response_length": float(batch.action_mask.sum()) / len(batch),
+            "truncated": sum(f == "length" for f in batch.finish_reason) / len(batch)}
 
 
 def rl_step_once(roles: Roles, cfg: Config, obj: Objective, rows: list[dict], state: RunState, nan_guard: NanGuard) -> tuple[dict, list[dict]]:
     """One RL step: rollout -> score -> filter (sample_batch) -> forward -> advantages -> update
-    (train_on) -> weight sync -> record.  Advances `state`; returns the history row and every
-    sample drawn (kept or filtered) for the step's rollout file."""
+    (train_on) -> weight sync -> record.  Advances `state`; returns the history row and the
+    step's rollout records (every sample drawn, kept or filtered, with its columns)."""
     step = state.step + 1
     times = {"rollout_s": 0.0, "reward_s": 0.0}
     samples, invalid, drawn, rounds = sample_batch(roles, cfg, rows, state.consumed, times)
-    kept = [s for s in samples if s["filter"] == "kept"]
+    kept_idx = [i for i, f in enumerate(samples.filter) if f == "kept"]
+    records = rollout_io.records(samples, state.extra["run_id"], step)
     row, kl = {"step": step}, 0.0
-    if len(kept) >= len(roles.policy.workers):
-        stats, skipped = train_on(roles, cfg, obj, kept, step, times)
+    if len(kept_idx) >= len(roles.policy.workers):
+        trained, stats, skipped = train_on(roles, cfg, obj, samples.select(kept_idx), step, times)
+        for i, record in zip(kept_idx, rollout_io.records(trained, state.extra["run_id"], step)):
+            records[i] = record
         row.update(stats)
         kl = stats["kl"]
         nan_guard.update(skipped, state, step)
     else:
         log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
     times["sync_s"] = roles.sync_weights(step)
-    obj.kl.update(kl, len(kept))
+    obj.kl.update(kl, len(kept_idx))
     state.step, state.consumed = step, state.consumed + drawn
     state.extra["invalid"] += invalid
     state.extra["kl_controller"] = obj.kl.state_dict()
     row.update(sample_stats(samples))
-    row.update({"invalid": invalid, "kept": len(kept), "prompts_drawn": drawn, "sampling_rounds": rounds, "kl_coef": obj.kl.value,
+    row.update({"invalid": invalid, "kept": len(kept_idx), "prompts_drawn": drawn, "sampling_rounds": rounds, "kl_coef": obj.kl.value,
                 "policy_version": step, **times})
-    return row, samples
+    return row, records
 
 
 class Evaluation:
@@ -580,9 +578,9 @@ def run(cfg: Config) -> dict:
     steplog = StepLog(out_dir, "rl", cfg.max_steps, state.step, prefix="rl")
     cadence, nan_guard = Cadence.of(cfg), NanGuard(cfg.max_nan_steps, "RL steps", "Lower rl.lr or check the rewards.")
     while state.step < cfg.max_steps:
-        row, samples = rl_step_once(roles, cfg, obj, rows, state, nan_guard)
+        row, records = rl_step_once(roles, cfg, obj, rows, state, nan_guard)
         step = state.step
-        rollout_io.write_step(rollout_dir, step, samples, state.extra["run_id"])
+        rollout_io.write_step(rollout_dir, step, records)
         steplog.write(row)
         if cadence.log(step):
             log.info("step %d/%d reward %.3f (gold %.3f) kl %.4f loss %.4f len %.1f | rollout %.1fs update %.1fs sync %.2fs | ETA %.0fs",

@@ -79,3 +79,23 @@ def sft_reference(project, ray_head):
     proc = run_stage(project, ray_head, "sft", *SFT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return project / "artifacts" / "sft"
+
+
+def make_batch(samples: list[dict]):
+    """A RolloutBatch from sample dicts: `token_ids`, `prompt_len` and `action_mask` are needed;
+    any other RolloutBatch field given in every sample is taken (per-token ones as response-aligned
+    lists), the rest get defaults."""
+    from dataclasses import fields
+
+    from rlhf_core.rollout.batch import PER_TOKEN, RolloutBatch, response_matrix
+
+    n = len(samples)
+    cols = dict(prompt=["Q: 1+1= A:"] * n, label=["2"] * n, prompt_id=[str(i) for i in range(n)], group=list(range(n)),
+                sample_index=[0] * n, response=[" 2"] * n, turns=[1] * n, finish_reason=["stop"] * n, policy_version=[0] * n,
+                env_reward=[None] * n, filter=["kept"] * n,
+                engine_logprobs=[[-1.0] * (len(s["token_ids"]) - s["prompt_len"]) for s in samples])
+    for f in fields(RolloutBatch):
+        if all(f.name in s for s in samples):
+            cols[f.name] = [s[f.name] for s in samples]
+    per_token = {k: response_matrix(cols.pop(k)) for k in PER_TOKEN if k in cols}
+    return RolloutBatch(**cols, **per_token)

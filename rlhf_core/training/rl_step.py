@@ -1,8 +1,8 @@
-"""The maths of one RL step, glued from `rlhf_core.algos` (no Ray, no I/O).
+"""The maths of one RL step on a `RolloutBatch`, glued from `rlhf_core.algos` (no Ray, no I/O).
 
 Layout of a sample (a finished episode): `token_ids` = prompt + response, where the response may
-interleave model actions with environment feedback; every per-token list below is aligned with
-the *response* tokens (`len(token_ids) - prompt_len`) and `action_mask` marks model tokens.
+interleave model actions with environment feedback; every per-token column of the batch is aligned
+with the *response* tokens (`len(token_ids) - prompt_len`) and `action_mask` marks model tokens.
 
 Collated batches place those lists at the positions where a causal LM predicts the token:
 response token at absolute position p  <->  logits row p - 1.  So every `(B, T-1)` tensor here
@@ -19,64 +19,50 @@ from rlhf_core.algos.aggregation import aggregate, masked_mean, masked_whiten
 from rlhf_core.algos.kl import kl_penalty
 from rlhf_core.algos.losses import IS_CORRECTIONS, POLICY_LOSSES, entropy_bonus, entropy_from_logits, token_logprobs, value_loss
 from rlhf_core.algos.shaping import kl_shaped_rewards
+from rlhf_core.rollout.batch import RolloutBatch
 
-PER_TOKEN = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
+# the per-token columns the trainers read
+TRAIN_COLUMNS = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
 
-
-def response_matrix(samples: list[dict], key: str, width: int | None = None) -> torch.Tensor:
-    """Per-sample response-aligned lists -> `(B, L)` float tensor, right-padded with 0."""
-    width = width or max(len(s["action_mask"]) for s in samples)
-    out = torch.zeros(len(samples), width)
-    for i, s in enumerate(samples):
-        v = s[key]
-        out[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out
-
-
-def compute_advantages(samples: list[dict], algo: str, kl_coef: float, kl_in_reward: bool, kl_estimator: str, gamma: float,
-                       lam: float, whiten_gae: bool, reward_clip: float | None) -> dict:
-    """Fill `advantages`, `returns`, `kl` (per token) and `centred_score` in each sample; return
-    batch stats.  Scores must be finite (invalid samples are removed before this)."""
+def compute_advantages(batch: RolloutBatch, algo: str, kl_coef: float, kl_in_reward: bool, kl_estimator: str, gamma: float,
+                       lam: float, whiten_gae: bool, reward_clip: float | None) -> tuple[RolloutBatch, dict]:
+    """The batch with `advantages`, `returns`, `kl` (per token) and `centred_score`, and the batch's
+    stats.  Scores must be finite (invalid samples are removed before this)."""
     recipe = ALGO_RECIPES[algo]
-    mask = response_matrix(samples, "action_mask")
-    old, ref = response_matrix(samples, "old_logprobs"), response_matrix(samples, "ref_logprobs")
-    values = response_matrix(samples, "old_values") if recipe.needs_critic else None
-    scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
-    groups = torch.tensor([s["group"] for s in samples])
-    centred = SCORE_BASELINES[recipe.baseline](scores, groups)
+    mask, old, ref = batch.action_mask, batch.old_logprobs, batch.ref_logprobs
+    values = batch.old_values if recipe.needs_critic else None
+    scores = torch.tensor(batch.score, dtype=torch.float32)
+    centred = SCORE_BASELINES[recipe.baseline](scores, torch.tensor(batch.group))
     kl = kl_penalty(old, ref, kl_estimator) * mask
     token_rewards = kl_shaped_rewards(centred, kl, mask, kl_coef if kl_in_reward else 0.0, reward_clip)
     adv, ret = ESTIMATORS[recipe.estimator](token_rewards, values, mask, gamma, lam)
     if recipe.estimator == "gae" and whiten_gae:
         adv = masked_whiten(adv, mask)
-    for i, s in enumerate(samples):
-        n = len(s["action_mask"])
-        s["advantages"], s["returns"], s["kl"] = adv[i, :n].tolist(), ret[i, :n].tolist(), kl[i, :n].tolist()
-        s["centred_score"] = float(centred[i])
-    seq_kl = (kl * mask).sum(-1)
-    return {"kl": float(seq_kl.mean()), "kl_token": float(masked_mean(kl, mask)), "advantage_abs": float(masked_mean(adv.abs(), mask))}
+    stats = {"kl": float((kl * mask).sum(-1).mean()), "kl_token": float(masked_mean(kl, mask)),
+             "advantage_abs": float(masked_mean(adv.abs(), mask))}
+    return batch.with_columns(advantages=adv, returns=ret, kl=kl, centred_score=centred.tolist()), stats
 
 
 class RLCollate:
-    """Samples -> padded tensors for the workers (see the module doc for the alignment)."""
+    """A RolloutBatch -> padded tensors for the workers (see the module doc for the alignment)."""
 
-    def __init__(self, pad_id: int, keys: tuple[str, ...] = PER_TOKEN):
+    def __init__(self, pad_id: int, keys: tuple[str, ...] = TRAIN_COLUMNS):
         self.pad_id, self.keys = pad_id, keys
 
-    def __call__(self, samples: list[dict]) -> dict:
-        T = max(len(s["token_ids"]) for s in samples)
-        B = len(samples)
+    def __call__(self, batch: RolloutBatch) -> dict:
+        T = max(len(t) for t in batch.token_ids)
+        B = len(batch)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         attn = torch.zeros(B, T, dtype=torch.long)
-        out = {k: torch.zeros(B, T - 1) for k in self.keys if k in samples[0]}
-        for i, s in enumerate(samples):
-            n, p = len(s["token_ids"]), s["prompt_len"]
-            ids[i, :n] = torch.tensor(s["token_ids"])
+        out = {k: torch.zeros(B, T - 1) for k in self.keys if getattr(batch, k) is not None}
+        for i, (tokens, p) in enumerate(zip(batch.token_ids, batch.prompt_len)):
+            n = len(tokens)
+            ids[i, :n] = torch.tensor(tokens)
             attn[i, :n] = 1
             for k in out:
-                out[k][i, p - 1 : n - 1] = torch.tensor(s[k], dtype=torch.float32)
-        out.update(input_ids=ids, attention_mask=attn, prompt_len=torch.tensor([s["prompt_len"] for s in samples]),
-                   length=torch.tensor([len(s["token_ids"]) for s in samples]))
+                out[k][i, p - 1 : n - 1] = getattr(batch, k)[i, : n - p]
+        out.update(input_ids=ids, attention_mask=attn, prompt_len=torch.tensor(batch.prompt_len),
+                   length=torch.tensor([len(t) for t in batch.token_ids]))
         return out
 
 
@@ -166,7 +152,7 @@ class CriticObjective:
                           num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=self.norm_len)
 
 
-def token_counts(samples: list[dict]) -> dict:
+def token_counts(batch: RolloutBatch) -> dict:
     """Global counts for loss aggregation over one mini-batch (all ranks)."""
-    tokens = sum(sum(s["action_mask"]) for s in samples)
-    return {"num_tokens": max(1, tokens), "num_seqs": max(1, sum(1 for s in samples if any(s["action_mask"])))}
+    per_sample = batch.action_mask.sum(-1)
+    return {"num_tokens": max(1, int(per_sample.sum())), "num_seqs": max(1, int((per_sample > 0).sum()))}

@@ -6,6 +6,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from conftest import make_batch
 
 from rlhf_core.rollout import rewards as R
 from rlhf_core.rollout.agents import LocalEnvironments, RetryArithmetic, environments, run_episodes
@@ -25,7 +26,7 @@ def sample(prompt_len, response, mask, group, score, **kw):
 def test_collate_aligns_response_lists_with_next_token_logits():
     s = sample(3, [7, 8], [1, 1], 0, 1.0, old=[-0.5, -0.25])
     s2 = sample(2, [9, 9, 9], [1, 0, 1], 0, 0.0, old=[-1.0, 0.0, -2.0])
-    b = rl_step.RLCollate(pad_id=0, keys=("action_mask", "old_logprobs"))([s, s2])
+    b = rl_step.RLCollate(pad_id=0, keys=("action_mask", "old_logprobs"))(make_batch([s, s2]))
     assert b["input_ids"].tolist() == [[1, 2, 3, 7, 8], [1, 2, 9, 9, 9]]
     # token at absolute position p is predicted by logits row p - 1
     assert b["action_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 1]]
@@ -34,22 +35,23 @@ def test_collate_aligns_response_lists_with_next_token_logits():
 
 
 def test_grpo_advantages_broadcast_group_normalised_score():
-    samples = [sample(2, [5, 6], [1, 1], 0, s) for s in (1.0, 0.0, 0.0, 1.0)] + [sample(2, [5], [1], 1, 0.5)]
-    stats = rl_step.compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
-                                       whiten_gae=False, reward_clip=None)
-    assert samples[0]["advantages"] == pytest.approx([0.86603, 0.86603], abs=1e-4)
-    assert samples[1]["advantages"] == pytest.approx([-0.86603, -0.86603], abs=1e-4)
-    assert samples[4]["advantages"] == [0.0]  # a group of one has no baseline
+    samples = make_batch([sample(2, [5, 6], [1, 1], 0, s) for s in (1.0, 0.0, 0.0, 1.0)] + [sample(2, [5], [1], 1, 0.5)])
+    out, stats = rl_step.compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
+                                            whiten_gae=False, reward_clip=None)
+    assert out.per_token("advantages", 0) == pytest.approx([0.86603, 0.86603], abs=1e-4)
+    assert out.per_token("advantages", 1) == pytest.approx([-0.86603, -0.86603], abs=1e-4)
+    assert out.per_token("advantages", 4) == [0.0]  # a group of one has no baseline
+    assert samples.advantages is None  # a new batch: the input is not mutated
     assert stats["kl"] == 0.0
 
 
 def test_kl_in_reward_and_masked_env_tokens():
     s = sample(2, [5, 6, 7], [1, 0, 1], 0, 1.0, old=[-1.0, 0.0, -1.0], ref=[-2.0, 0.0, -2.0])
-    rl_step.compute_advantages([s], "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0, lam=1.0,
-                               whiten_gae=False, reward_clip=None)
+    out, _ = rl_step.compute_advantages(make_batch([s]), "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0,
+                                        lam=1.0, whiten_gae=False, reward_clip=None)
     # k1 = 1 on each action token; rewards [-0.5, 0 (env), 1 - 0.5]; returns [0, _, 0.5]; env token stays 0
-    assert s["returns"] == pytest.approx([0.0, 0.0, 0.5])
-    assert s["kl"] == pytest.approx([1.0, 0.0, 1.0])
+    assert out.per_token("returns", 0) == pytest.approx([0.0, 0.0, 0.5])
+    assert out.per_token("kl", 0) == pytest.approx([1.0, 0.0, 1.0])
 
 
 def test_reward_validation_never_turns_bad_values_into_zero():
@@ -243,7 +245,7 @@ def test_trainer_logprobs_are_the_engines_at_the_sampling_temperature(tiny, temp
     prompt = tok("Q: 12+30= A:").input_ids
     out = HFEngine(str(path), max_model_len=64, seed=0).generate([prompt], [6], temperature, [7])[0]
     sample = {"token_ids": prompt + out.token_ids, "prompt_len": len(prompt), "action_mask": [1] * len(out.token_ids)}
-    batch = rl_step.RLCollate(pad_id=tok.pad_token_id, keys=("action_mask",))([sample])
+    batch = rl_step.RLCollate(pad_id=tok.pad_token_id, keys=("action_mask",))(make_batch([sample]))
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         trainer = rl_step.logprobs_fn(model, batch, temperature=temperature)[0]
@@ -266,7 +268,7 @@ def test_hf_engine_weight_update_is_in_place_and_checked(tiny):
 
 
 def _episodes(n):
-    return [{"prompt": "Q: 1+1= A:", "response": " 2", "label": "2", "token_ids": [1, 2, 3], "action_mask": [1], "turns": 1,
+    return [{"prompt": "Q: 1+1= A:", "response": " 2", "label": "2", "token_ids": [1, 2, 3], "prompt_len": 2, "action_mask": [1], "turns": 1,
              "env_reward": None, "filter": "kept"} for _ in range(n)]
 
 
@@ -282,17 +284,16 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
         return RewardWorker(str(f), None, None, {}, 0, 1.0, 0)
 
     cfg = Config(max_invalid_ratio=0.25)
-    samples = _episodes(4)
-    scored = worker("def reward(p, r, l, **kw):\n    raise KeyError('oops')\n").score(samples)
+    samples = make_batch(_episodes(4))
+    scored = worker("def reward(p, r, l, **kw):\n    raise KeyError('oops')\n").score(samples.reward_inputs())
     assert all(math.isnan(x["score"]) and "reward_file raised KeyError" in x["invalid"] for x in scored)
     with pytest.raises(RuntimeError, match="4 of 4 samples have an invalid reward, above max_invalid_ratio=0.25"):
         apply_rewards(cfg, samples, scored)
-    assert all(s["filter"] == "invalid" for s in samples)
 
-    samples = _episodes(4)
-    scored = worker("def reward(p, r, l, **kw):\n    return [None, 1, 1, 1]\n").score(samples)
-    assert apply_rewards(cfg, samples, scored) == 1  # 1 of 4 = the threshold: counted, not fatal
-    assert samples[0]["filter"] == "invalid" and samples[1]["score"] == 1.0
+    scored = worker("def reward(p, r, l, **kw):\n    return [None, 1, 1, 1]\n").score(samples.reward_inputs())
+    out, invalid = apply_rewards(cfg, samples, scored)
+    assert invalid == 1  # 1 of 4 = the threshold: counted, not fatal
+    assert out.filter == ["invalid", "kept", "kept", "kept"] and math.isnan(out.score[0]) and out.score[1:] == [1.0, 1.0, 1.0]
 
     with pytest.raises(R.RewardError, match="returned 1 rewards for 4 samples"):
         worker("def reward(p, r, l, **kw):\n    return [1.0]\n").score(_episodes(4))

@@ -13,6 +13,7 @@ from conftest import rlhf
 
 from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.config import ConfigError, from_dict
+from rlhf_core.rollout.batch import RolloutBatch
 from stages import rl
 from stages.rl import Config, make_losses, policy_loss_settings
 
@@ -81,33 +82,35 @@ def test_dynamic_sampling_refills_the_batch_from_further_prompts(monkeypatch):
     are stand-ins here (tests/stages/test_rl.py runs the same through Ray); a group's scores vary
     when its prompt index is a multiple of 3."""
     rows = [{"prompt": f"p{i}", "label": "x", "id": str(i)} for i in range(50)]
+    varies = lambda batch, i: int(batch.prompt_id[i]) % 3 == 0  # noqa: E731
 
     def fake_rollout(roles, cfg, rows_, idx, consumed):
-        return [{"row": rows_[i], "group": consumed + j, "sample_index": k, "prompt": rows_[i]["prompt"], "filter": "kept",
-                 "varies": int(rows_[i]["id"]) % 3 == 0} for j, i in enumerate(idx) for k in range(cfg.n_samples)]
+        jobs = [{"row": rows_[i], "group": consumed + j, "sample_index": k} for j, i in enumerate(idx) for k in range(cfg.n_samples)]
+        episodes = [{"token_ids": [1, 2, 3], "prompt_len": 2, "action_mask": [1], "engine_logprobs": [-1.0], "response": " x", "turns": 1,
+                     "finish_reason": "stop", "policy_version": 0, "env_reward": None} for _ in jobs]
+        return RolloutBatch.from_episodes(episodes, jobs)
 
-    def fake_score(roles, cfg, samples):
-        for s in samples:
-            s["score"], s["invalid"] = (float(s["sample_index"]) if s["varies"] else 1.0), None
-        return 0
+    def fake_score(roles, cfg, batch):
+        scores = [float(batch.sample_index[i]) if varies(batch, i) else 1.0 for i in range(len(batch))]
+        return batch.with_columns(score=scores, reward=scores, invalid=[None] * len(batch), components=[{}] * len(batch)), 0
 
     monkeypatch.setattr(rl, "rollout", fake_rollout)
     monkeypatch.setattr(rl, "score", fake_score)
     cfg = Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True, dynamic_sampling_rounds=8)
     times = {"rollout_s": 0.0, "reward_s": 0.0}
     samples, invalid, drawn, rounds = rl.sample_batch(None, cfg, rows, 0, times)
-    kept = [s for s in samples if s["filter"] == "kept"]
-    assert len({s["group"] for s in kept}) == 4 and len(kept) == 8  # the batch is full
-    assert all(s["varies"] for s in kept) and rounds > 1 and drawn == 4 * rounds
-    assert {s["filter"] for s in samples if not s["varies"]} == {"zero_variance_group"}
-    assert all(s["filter"] in ("kept", "surplus") for s in samples if s["varies"])
+    kept = samples.where("kept")
+    assert len(set(kept.group)) == 4 and len(kept) == 8  # the batch is full
+    assert all(varies(kept, i) for i in range(len(kept))) and rounds > 1 and drawn == 4 * rounds
+    assert {f for i, f in enumerate(samples.filter) if not varies(samples, i)} == {"zero_variance_group"}
+    assert all(f in ("kept", "surplus") for i, f in enumerate(samples.filter) if varies(samples, i))
     # bounded: with one round it trains on what it kept
     short, _, drawn, rounds = rl.sample_batch(None, Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True,
                                                              dynamic_sampling_rounds=1), rows, 0, times)
-    assert rounds == 1 and drawn == 4 and len({s["group"] for s in short if s["filter"] == "kept"}) < 4
+    assert rounds == 1 and drawn == 4 and len(set(short.where("kept").group)) < 4
     # off: one round, nothing filtered
     plain, _, drawn, rounds = rl.sample_batch(None, cfg.__class__(prompts_per_step=4, n_samples=2, global_batch_size=8), rows, 0, times)
-    assert (drawn, rounds) == (4, 1) and all(s["filter"] == "kept" for s in plain)
+    assert (drawn, rounds) == (4, 1) and set(plain.filter) == {"kept"}
 
 
 def test_the_kl_loss_term_reaches_the_policy_loss():

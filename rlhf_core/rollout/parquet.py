@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core import atomic
+from rlhf_core.rollout.batch import RolloutBatch
 
 I64, F32, STR = pa.int64(), pa.float32(), pa.string()
 SCHEMA = pa.schema([
@@ -34,24 +35,38 @@ def _f(v):
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
 
-def to_row(s: dict, run_id: str, step: int) -> dict:
-    p = s["prompt_len"]
-    return {
-        "run_id": run_id, "step": step, "policy_version": s["policy_version"], "prompt_id": s["prompt_id"], "sample_index": s["sample_index"],
-        "prompt": s["prompt"], "prompt_token_ids": s["token_ids"][:p], "response": s["response"], "response_token_ids": s["token_ids"][p:],
-        "label": s["label"], "engine_logprobs": s["engine_logprobs"], "old_logprobs": s.get("old_logprobs"),
-        "ref_logprobs": s.get("ref_logprobs"), "values": s.get("old_values"), "action_mask": s["action_mask"],
-        "reward": _f(s.get("reward")), "reward_components": json.dumps({k: _f(v) for k, v in s.get("components", {}).items()}),
-        "score": _f(s.get("score")), "kl": _f(sum(s["kl"]) if s.get("kl") else None), "advantages": s.get("advantages"),
-        "returns": s.get("returns"), "response_length": len(s["token_ids"]) - p, "num_turns": s["turns"],
-        "truncated": s["finish_reason"] == "length", "finish_reason": s["finish_reason"], "filter": s["filter"],
-        "invalid_reason": s.get("invalid"),
-    }
+# where each Parquet column comes from: a RolloutBatch field (the per-token ones unpadded), or
+# derived.  Fields not stored: env_reward (it is the `env` reward component), centred_score.
+DERIVED = {"run_id", "step", "prompt_token_ids", "response_token_ids", "response_length", "truncated", "kl", "values",
+           "reward_components", "num_turns", "invalid_reason"}
+NOT_STORED = {"env_reward", "centred_score", "group", "token_ids", "prompt_len", "components", "invalid", "turns"}
 
 
-def write_step(rollout_dir: Path, step: int, samples: list[dict], run_id: str) -> Path:
-    """Atomically write one step's rollouts (temp file + rename: a killed run leaves no half file)."""
-    table = pa.Table.from_pylist([to_row(s, run_id, step) for s in samples], schema=SCHEMA)
+def records(batch: RolloutBatch, run_id: str, step: int) -> list[dict]:
+    """One Parquet row per sample of `batch` (per-token columns a step has not computed are null)."""
+    out = []
+    for i, p in enumerate(batch.prompt_len):
+        tokens = lambda col: batch.per_token(col, i) if getattr(batch, col) is not None else None  # noqa: E731
+        kl = tokens("kl")
+        out.append({
+            "run_id": run_id, "step": step, "policy_version": batch.policy_version[i], "prompt_id": batch.prompt_id[i],
+            "sample_index": batch.sample_index[i], "prompt": batch.prompt[i], "prompt_token_ids": batch.token_ids[i][:p],
+            "response": batch.response[i], "response_token_ids": batch.token_ids[i][p:], "label": batch.label[i],
+            "engine_logprobs": tokens("engine_logprobs"), "old_logprobs": tokens("old_logprobs"), "ref_logprobs": tokens("ref_logprobs"),
+            "values": tokens("old_values"), "action_mask": [int(x) for x in tokens("action_mask")],
+            "reward": _f(batch.reward[i]) if batch.reward else None,
+            "reward_components": json.dumps({k: _f(v) for k, v in (batch.components[i] if batch.components else {}).items()}),
+            "score": _f(batch.score[i]) if batch.score else None, "kl": _f(sum(kl)) if kl else None,
+            "advantages": tokens("advantages"), "returns": tokens("returns"), "response_length": len(batch.token_ids[i]) - p,
+            "num_turns": batch.turns[i], "truncated": batch.finish_reason[i] == "length", "finish_reason": batch.finish_reason[i],
+            "filter": batch.filter[i], "invalid_reason": batch.invalid[i] if batch.invalid else None,
+        })
+    return out
+
+
+def write_step(rollout_dir: Path, step: int, rows: list[dict]) -> Path:
+    """Atomically write one step's rollouts (`records`; temp file + rename: a killed run leaves no half file)."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
     return atomic.write_with(rollout_dir / f"step_{step:06d}.parquet", lambda tmp: pq.write_table(table, tmp))
 
 
