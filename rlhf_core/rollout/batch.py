@@ -18,12 +18,13 @@ from torch import Tensor
 PER_TOKEN = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "kl")
 
 
-def response_matrix(rows: list[list[float]], width: int | None = None) -> Tensor:
-    """Response-aligned lists (one per sample, lengths may differ) -> `(B, L)` float32, 0-padded."""
+def response_matrix(rows: list[list[float]] | list[Tensor], width: int | None = None) -> Tensor:
+    """Response-aligned rows (lists or 1-d tensors, one per sample, lengths may differ) -> `(B, L)`
+    float32, 0-padded."""
     width = width if width is not None else max((len(r) for r in rows), default=0)
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+        out[i, : len(r)] = r if isinstance(r, Tensor) else torch.tensor(r, dtype=torch.float32)
     return out
 
 

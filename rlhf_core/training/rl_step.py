@@ -66,22 +66,24 @@ class RLCollate:
         return out
 
 
-def _slices(t: torch.Tensor, batch: dict) -> list[list[float]]:
-    """`(B, T-1)` -> each sample's response-aligned list."""
-    return [t[i, p - 1 : n - 1].tolist() for i, (p, n) in enumerate(zip(batch["prompt_len"].tolist(), batch["length"].tolist()))]
+def _slices(t: torch.Tensor, batch: dict) -> list[torch.Tensor]:
+    """`(B, T-1)` -> each sample's response-aligned float32 tensor, on the CPU (what crosses
+    back to the driver: tensors, not Python floats)."""
+    t = t.float().cpu()
+    return [t[i, p - 1 : n - 1].clone() for i, (p, n) in enumerate(zip(batch["prompt_len"].tolist(), batch["length"].tolist()))]
 
 
 # --- run inside the workers (pickled by reference) -----------------------------------------
 
 
-def logprobs_fn(model, batch, temperature: float = 1.0) -> list[list[float]]:
+def logprobs_fn(model, batch, temperature: float = 1.0) -> list[torch.Tensor]:
     """Each sample's response-token log-probs under `model` at the sampling `temperature` (old /
     reference log-probs): the distribution the engine sampled from, whose log-probs it reports."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
     return _slices(token_logprobs(logits, batch["input_ids"][:, 1:], temperature), batch)
 
 
-def values_fn(model, batch) -> list[list[float]]:
+def values_fn(model, batch) -> list[torch.Tensor]:
     """Critic values V(s_t) before each response token (token-classification head, 1 label)."""
     values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
     return _slices(values, batch)
