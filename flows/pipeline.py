@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -56,8 +57,6 @@ def _dvc(args: list[str], repo: Path, env: dict | None = None, stream: bool = Fa
 
 def _stop_group(proc: subprocess.Popen, grace: float = 60.0) -> None:
     """SIGTERM the stage's process group (`rlhf stage run` stops its Ray job on it), then SIGKILL."""
-    import signal
-
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=grace)

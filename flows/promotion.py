@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -78,8 +79,6 @@ def gate(repo: Path, stages: list[str] | str, margin: float, flow_run_id: str = 
 
 def _logger():
     """The Prefect run logger inside a flow run, a plain logger outside one (tests, scripts)."""
-    import logging
-
     from prefect import get_run_logger
     from prefect.exceptions import MissingContextError
 

@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 
 from rlhf_core import registry
@@ -51,8 +52,6 @@ def cmd_prepare(args) -> int:
 
 
 def _sigterm_as_interrupt() -> None:
-    import signal
-
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 

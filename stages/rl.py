@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+import resource
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -239,8 +240,6 @@ class Roles:
 
     def peak_memory(self) -> dict:
         """Peak resident memory (MiB) of each role's processes, and of this driver."""
-        import resource
-
         groups = {"policy": self.policy.workers, "critic": self.critic.workers if self.critic else [], "reference": [self.reference],
                   "rollout": self.rollout, "reward": [self.reward]}
         out = {f"mem/peak_mb_{role}": max(self.get([a.peak_rss_mb.remote() for a in actors], "memory report"))

@@ -6,6 +6,7 @@ their manifest, so an edited parent manifest is caught) or data (recorded with p
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -28,8 +29,6 @@ def load(path: str | Path) -> dict:
 def dvc_lock_check(root: Path) -> list[str]:
     """Cross-check with DVC: if a `dvc.lock` above `root` records `root/manifest.json` as a stage
     output, its md5 must match the file (an artifact rebuilt or edited outside `dvc repro` fails)."""
-    import hashlib
-
     import yaml
 
     root = root.resolve()

@@ -18,6 +18,7 @@ import select
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -116,8 +117,6 @@ class EnvironmentProcess:
 
 def _serve(agent: str, agent_file: str | None) -> None:
     """The child: load the Environment class, then answer requests until stdin closes."""
-    import threading
-
     parent = os.getppid()
 
     def orphaned():  # a thread, so that it also ends a child whose main thread is stuck in user code

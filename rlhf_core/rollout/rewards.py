@@ -15,6 +15,7 @@ aborts the step above a threshold.  Nothing is ever silently turned into 0.0.
 """
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import math
@@ -22,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
 
@@ -152,9 +154,6 @@ class HttpReward:
     its credentials redacted (they end up in logs and in the rollouts' invalid reasons)."""
 
     def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5):
-        import base64
-        from urllib.parse import unquote, urlsplit, urlunsplit
-
         from rlhf_core.config import redact_url
 
         self.shown = redact_url(url)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -36,8 +37,6 @@ class RolloutWorker(PeakMemory):
 
     def rollout(self, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int, temperature: float) -> list[dict]:
         """Play one episode per prompt; returns plain dicts (token ids, masks, engine log-probs)."""
-        from dataclasses import asdict
-
         from rlhf_core.rollout.agents import run_episodes
 
         faults.hang("rollout")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 from pathlib import Path
 
 log = logging.getLogger("rlhf.faults")
@@ -50,16 +52,12 @@ def at_step(name: str, step: int) -> bool:
 def sigkill_after(step: int) -> None:
     """`sigkill_after_step:K`: the driver dies as abruptly as an OOM kill, right after step K."""
     if at_step("sigkill_after_step", step):
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def sigkill_at(point: str) -> None:
     """`sigkill_at:POINT`: die abruptly at a named point (a crash between two writes)."""
     if armed("sigkill_at") == point:
-        import signal
-
         log.warning("RLHF_FAULT: sigkill at %s", point)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -68,8 +66,6 @@ def slow_step() -> None:
     """`slow_steps:S`: the training worker sleeps S seconds in each optimizer step."""
     arg = armed("slow_steps")
     if arg:
-        import time
-
         time.sleep(float(arg))
 
 
@@ -85,8 +81,6 @@ def hang(point: str) -> None:
     """`hang:POINT`: block this actor call for good, as a wedged engine or reward service would;
     the driver's `rl.rollout_timeout` must turn it into an error (the actor dies with the job)."""
     if armed("hang") == point:
-        import time
-
         log.warning("RLHF_FAULT: hang at %s", point)
         while True:
             time.sleep(60)

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import traceback
 from pathlib import Path
 
 from rlhf_core import atomic
@@ -147,8 +148,6 @@ class CheckpointLoadError(RuntimeError):
 def explain(e: BaseException) -> str:
     """`Type: message` of an exception; where the message is empty (a bare `assert` inside a
     library), the failing line instead."""
-    import traceback
-
     text = str(e).strip()
     if not text and e.__traceback__ is not None:
         frame = traceback.extract_tb(e.__traceback__)[-1]

@@ -6,6 +6,7 @@ model.  Stage-specific maths arrives as a function `loss_fn(model, batch, counts
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -142,8 +143,6 @@ class TrainWorker(PeakMemory):
 
     def state_fingerprint(self) -> str:
         """sha256 over all parameters (exact-resume tests compare these)."""
-        import hashlib
-
         h = hashlib.sha256()
         for name, p in sorted(self.engine.module.state_dict().items()):
             h.update(name.encode())
