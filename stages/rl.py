@@ -502,12 +502,11 @@ def rl_step_once(roles: Roles, cfg: Config, obj: Objective, rows: list[dict], st
     times = {"rollout_s": 0.0, "reward_s": 0.0}
     samples, invalid, drawn, rounds = sample_batch(roles, cfg, rows, state.consumed, times)
     kept_idx = [i for i, f in enumerate(samples.filter) if f == "kept"]
-    records = rollout_io.records(samples, state.extra["run_id"], step)
+    parts = []  # (indices in `samples`, the batch holding their columns): the rollout file's rows
     row, kl = {"step": step}, 0.0
     if len(kept_idx) >= len(roles.policy.workers):
         trained, stats, skipped = train_on(roles, cfg, obj, samples.select(kept_idx), step, times)
-        for i, record in zip(kept_idx, rollout_io.records(trained, state.extra["run_id"], step)):
-            records[i] = record
+        parts.append((kept_idx, trained))
         row.update(stats)
         kl = stats["kl"]
         nan_guard.update(skipped, state, step)
@@ -515,6 +514,12 @@ def rl_step_once(roles: Roles, cfg: Config, obj: Objective, rows: list[dict], st
         log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
     times["sync_s"] = roles.sync_weights(step)
     obj.kl.update(kl, len(kept_idx))
+    trained_idx = set(parts[0][0]) if parts else set()
+    rest = [i for i in range(len(samples)) if i not in trained_idx]
+    records = [None] * len(samples)
+    for idx, batch in parts + [(rest, samples.select(rest))]:
+        for i, record in zip(idx, rollout_io.records(batch, state.extra["run_id"], step)):
+            records[i] = record
     state.step, state.consumed = step, state.consumed + drawn
     state.extra["invalid"] += invalid
     state.extra["kl_controller"] = obj.kl.state_dict()
