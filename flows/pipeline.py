@@ -178,22 +178,24 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
     its `data/`, a DVC-tracked output of `prepare`); `retries`: per stage, for transient failures
     (a retried stage resumes from its checkpoint)."""
     root = Path(repo).resolve()
-    params = yaml.safe_load((root / "params.yaml").read_text()) or {}
-    order = registry.dag(params)  # DAG order, variants expanded (rl -> rl@rlhf, rl@rlvr)
-    chosen = [s for s in order if s in (stages or order)]
-    unknown = set(stages or []) - set(order)
-    if unknown:
-        raise ValueError(f"unknown stages {sorted(unknown)}; valid: {order}")
     from rlhf_core.runtime.cluster import shared_head
 
-    with repo_lock(root), shared_head():  # one Ray head for every stage of the run
+    # the lock comes first: a second run is refused before it reads (or rewrites) anything
+    with repo_lock(root):
+        params = yaml.safe_load((root / "params.yaml").read_text()) or {}
+        order = registry.dag(params)  # DAG order, variants expanded (rl -> rl@rlhf, rl@rlvr)
+        chosen = [s for s in order if s in (stages or order)]
+        unknown = set(stages or []) - set(order)
+        if unknown:
+            raise ValueError(f"unknown stages {sorted(unknown)}; valid: {order}")
         apply_overrides(root, overrides or [])
         if push:
             ensure_remote(root)
         task = run_stage.with_options(retries=retries)
         results = {}
-        for stage in order:  # in DAG order, each after the one before finished
-            results[stage] = _value(task(stage, str(root), push)) if stage in chosen else None
+        with shared_head():  # one Ray head for every stage of the run
+            for stage in order:  # in DAG order, each after the one before finished
+                results[stage] = _value(task(stage, str(root), push)) if stage in chosen else None
         # the candidates: every policy the DAG trains; the gate picks by gold eval/accuracy
         candidates = registry.candidates(params)
         decision = promotion.gate(root, candidates, promotion_margin, str(flow_run.id or "")) if promote and chosen else None
