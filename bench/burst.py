@@ -43,7 +43,7 @@ def main() -> None:
             m = json.loads(Path(out, "metrics.json").read_text())
             hist = [json.loads(x) for x in Path(out, "train_history.jsonl").read_text().splitlines()]
             samples = prompts * Config().n_samples
-            rollout_s = sum(h["rollout_s"] for h in hist) / len(hist)
+            rollout_s = sum(h["rl/rollout_s"] for h in hist) / len(hist)
             results[name] = {"samples_per_step": samples, "rollout_s_per_step": round(rollout_s, 2), "samples_per_s": round(samples / rollout_s, 1),
                              "job_wall_s": round(time.time() - t0, 1), **{k: round(v) for k, v in m.items() if k.startswith("mem/")}}
             print(name, results[name], flush=True)

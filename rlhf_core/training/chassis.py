@@ -244,8 +244,9 @@ class NanGuard:
 
 class StepLog:
     """train_history.jsonl (what `dvc plots` reads), TensorBoard scalars and a progress bar with
-    ETA, from `step` on (`start_or_resume` emptied or trimmed the history).  History keys are the
-    row's own; TensorBoard puts a key without a `/` under `prefix/`."""
+    ETA, from `step` on (`start_or_resume` emptied or trimmed the history).  One namespace for both:
+    a key without a `/` goes under `prefix/` (sft's `loss` -> `train/loss`, rl's `kl` -> `rl/kl`),
+    so a history key is the TensorBoard tag and the same statistic has one name in every stage."""
 
     def __init__(self, out_dir: Path, name: str, max_steps: int, step: int, prefix: str):
         from torch.utils.tensorboard import SummaryWriter
@@ -256,9 +257,10 @@ class StepLog:
         self.bar = tqdm(total=max_steps, initial=step, desc=name, unit="step", dynamic_ncols=True, mininterval=2)
 
     def write(self, row: dict) -> None:
-        self.scalars({k if "/" in k else f"{self.prefix}/{k}": v for k, v in row.items() if k != "step"}, row["step"])
+        tagged = {k if k == "step" or "/" in k else f"{self.prefix}/{k}": v for k, v in row.items()}
+        self.scalars({k: v for k, v in tagged.items() if k != "step"}, row["step"])
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(tagged) + "\n")
         self.bar.update(1)
 
     def scalars(self, metrics: dict, step: int) -> None:
@@ -278,6 +280,13 @@ class StepLog:
     def close(self) -> None:
         self.bar.close()
         self.writer.close()
+
+
+def reduce_ranks(results: list[dict]) -> dict:
+    """One row from the data-parallel ranks' train-step stats: a rank's `loss` is its share of the
+    global loss (normalised by global counts), so the shares sum; every other stat is a per-rank
+    mean, so they average."""
+    return {k: sum(r[k] for r in results) / (1 if k == "loss" else len(results)) for k in results[0]}
 
 
 def trim_history(path: Path, step: int) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from rlhf_core import atomic
 from rlhf_core.runtime import faults
-from rlhf_core.training.chassis import Cadence, NanGuard, Start, StepLog, final_metrics, save_checkpoint, start_or_resume
+from rlhf_core.training.chassis import Cadence, NanGuard, Start, StepLog, final_metrics, reduce_ranks, save_checkpoint, start_or_resume
 from rlhf_core.training.config import TrainConfig
 
 log = logging.getLogger("rlhf.train")
@@ -154,9 +154,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
         step = state.step
         nan_guard.update(any(r["skipped"] for r in results), state, step)
         tokens += sum(e.get("num_tokens") or len(e["input_ids"]) for e in batch)
-        # a rank's "loss" is its share of the global loss (normalised by global counts): sum them;
-        # every other stat is a per-rank mean: average them
-        row = {"step": step, **{k: sum(r[k] for r in results) / (1 if k == "loss" else len(results)) for k in results[0]}}
+        row = {"step": step, **reduce_ranks(results)}  # history: train/loss, train/lr, ...
         steplog.write(row)
         if cadence.log(step):
             log.info("step %d/%d loss %.4f lr %.2e | %.0f tok/s | ETA %.0fs", step, cfg.max_steps, row["loss"], row.get("lr", 0),
@@ -170,8 +168,8 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     steplog.scalars(metrics, state.step)
     steplog.close()
     metrics.update(final_metrics(state, steplog))
-    if "loss" in steplog.last():
-        metrics["train/loss"] = steplog.last()["loss"]
+    if "train/loss" in steplog.last():
+        metrics["train/loss"] = steplog.last()["train/loss"]
     return group, metrics
 
 

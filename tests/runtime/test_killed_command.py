@@ -97,7 +97,7 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "train_history.jsonl").read_text().splitlines()]
+    return [json.loads(line)["train/loss"] for line in (out / "train_history.jsonl").read_text().splitlines()]
 
 
 def break_loading(ckpt: Path) -> None:

@@ -70,7 +70,7 @@ def test_grpo_outputs_rollouts_and_show(project, grpo_reference):
         assert abs(sum(adv)) < 1e-3
     updates = [json.loads(x) for x in (out / "train_history.jsonl").read_text().splitlines()]
     assert [u["step"] for u in updates] == [1, 2, 3, 4] and all("train/loss" in u for u in updates)
-    assert len({u["kl_coef"] for u in updates}) > 1  # the adaptive controller moved
+    assert len({u["rl/kl_coef"] for u in updates}) > 1  # the adaptive controller moved
     # TIS ran (its statistic; weights 1 here: the engine holds the trainer's weights) with the
     # clip-higher range; stages/test_rl_objective.py checks the numbers these settings produce
     assert all(u["train/is_truncated_frac"] == 0.0 and "train/clipfrac" in u for u in updates)
@@ -233,10 +233,10 @@ def test_gspo_with_dynamic_sampling_fills_every_batch_from_an_authenticated_rewa
     for step, h in enumerate(history, start=1):
         rows = table(out, step)
         kept = [r for r in rows if r["filter"] == "kept"]
-        assert len(kept) == h["kept"] == 4 * 4 and len({r["prompt_id"] for r in kept}) == 4, (step, h)  # a full batch
-        assert h["prompts_drawn"] == 4 * h["sampling_rounds"] and len(rows) == 4 * h["prompts_drawn"]
+        assert len(kept) == h["rl/kept"] == 4 * 4 and len({r["prompt_id"] for r in kept}) == 4, (step, h)  # a full batch
+        assert h["rl/prompts_drawn"] == 4 * h["rl/sampling_rounds"] and len(rows) == 4 * h["rl/prompts_drawn"]
         assert all("+" not in r["prompt"] for r in kept)
-    assert sum(h["sampling_rounds"] for h in history) > len(history)  # it did have to draw more
+    assert sum(h["rl/sampling_rounds"] for h in history) > len(history)  # it did have to draw more
     assert any(r["filter"] == "zero_variance_group" for step in (1, 2) for r in table(out, step))
     leaked = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaked == [] and SECRET not in proc.stdout + proc.stderr

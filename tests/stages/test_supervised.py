@@ -54,7 +54,7 @@ def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
     assert "resumed from step_000003" in resumed.stdout, resumed.stdout[-3000:]
     a, b = weights(sft_reference), weights(project / out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert [r["loss"] for r in history(project / out)] == [r["loss"] for r in history(sft_reference)]
+    assert [r["train/loss"] for r in history(project / out)] == [r["train/loss"] for r in history(sft_reference)]
 
     # nothing left to train is an error, not a silent success
     again = run_stage(project, ray_head, "sft", *args)
@@ -82,7 +82,7 @@ def test_one_and_two_workers_same_loss_curve(project, ray_head):
                          "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}", "--set", f"sft.output_dir={out}",
                          "--set", "sft.eval_max_new_tokens=2")
         assert proc.returncode == 0, proc.stdout[-3000:]
-        curves[n, zero] = [r["loss"] for r in history(project / out)]
+        curves[n, zero] = [r["train/loss"] for r in history(project / out)]
     assert curves[1, 0] == pytest.approx(curves[2, 2], rel=1e-4)
 
 
@@ -176,7 +176,7 @@ def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, 
     a, b = weights(project / "artifacts" / "dpo_uninterrupted"), weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["step"] for r in history(killed)] == [1, 2, 3, 4, 5]
-    assert [r["loss"] for r in history(killed)] == [r["loss"] for r in history(project / "artifacts" / "dpo_uninterrupted")]
+    assert [r["train/loss"] for r in history(killed)] == [r["train/loss"] for r in history(project / "artifacts" / "dpo_uninterrupted")]
 
 
 @pytest.mark.xdist_group("sft_later")

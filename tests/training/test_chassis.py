@@ -7,7 +7,7 @@ import pytest
 
 from rlhf_core.runtime import stage_lock
 from rlhf_core.training import checkpoint as ckpt
-from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, start_or_resume
+from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, reduce_ranks, start_or_resume
 from rlhf_core.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
@@ -64,13 +64,24 @@ def test_step_log_writes_history_and_reports_eta(out):
     log = StepLog(out, "stage", max_steps=4, step=0, prefix="train")
     log.write({"step": 1, "loss": 2.0, "critic/loss": 1.0})
     log.write({"step": 2, "loss": 1.0})
-    assert log.last() == {"step": 2, "loss": 1.0}
+    # one namespace: a bare key goes under the prefix in the history as in TensorBoard
+    assert log.last() == {"step": 2, "train/loss": 1.0}
     assert log.eta(2) == pytest.approx(log.elapsed(), rel=0.5, abs=0.05)  # two steps done, two to go
     metrics = final_metrics(RunState(step=2, nan_skipped=1, init_metrics={"eval/accuracy_init": 0.1}), log)
     log.close()
     assert metrics["train/steps"] == 2 and metrics["train/nan_skipped"] == 1 and metrics["eval/accuracy_init"] == 0.1
     assert [json.loads(x)["step"] for x in (out / "train_history.jsonl").read_text().splitlines()] == [1, 2]
-    assert list((out / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(out / "tensorboard")).Reload().Tags()["scalars"]
+    first = json.loads((out / "train_history.jsonl").read_text().splitlines()[0])
+    assert set(first) - {"step"} == {"train/loss", "critic/loss"} <= set(tags)
+
+
+def test_reduce_ranks_sums_loss_shares_and_averages_the_rest():
+    # two ranks, each loss already divided by the global token count: the global loss is the sum
+    row = reduce_ranks([{"loss": 0.25, "lr": 1e-3, "grad_norm": 2.0}, {"loss": 0.5, "lr": 1e-3, "grad_norm": 4.0}])
+    assert row == pytest.approx({"loss": 0.75, "lr": 1e-3, "grad_norm": 3.0})
 
 
 def test_nan_guard_counts_skips_and_aborts_after_the_limit():
