@@ -502,11 +502,11 @@ def rl_step_once(roles: Roles, cfg: Config, obj: Objective, rows: list[dict], st
     times = {"rollout_s": 0.0, "reward_s": 0.0}
     samples, invalid, drawn, rounds = sample_batch(roles, cfg, rows, state.consumed, times)
     kept_idx = [i for i, f in enumerate(samples.filter) if f == "kept"]
-    parts = []  # (indices in `samples`, the batch holding their columns): the rollout file's rows
+    trained, trained_idx = None, []
     row, kl = {"step": step}, 0.0
     if len(kept_idx) >= len(roles.policy.workers):
         trained, stats, skipped = train_on(roles, cfg, obj, samples.select(kept_idx), step, times)
-        parts.append((kept_idx, trained))
+        trained_idx = kept_idx
         row.update(stats)
         kl = stats["kl"]
         nan_guard.update(skipped, state, step)
@@ -514,12 +514,7 @@ def rl_step_once(roles: Roles, cfg: Config, obj: Objective, rows: list[dict], st
         log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
     times["sync_s"] = roles.sync_weights(step)
     obj.kl.update(kl, len(kept_idx))
-    trained_idx = set(parts[0][0]) if parts else set()
-    rest = [i for i in range(len(samples)) if i not in trained_idx]
-    records = [None] * len(samples)
-    for idx, batch in parts + [(rest, samples.select(rest))]:
-        for i, record in zip(idx, rollout_io.records(batch, state.extra["run_id"], step)):
-            records[i] = record
+    records = step_records(samples, trained_idx, trained, state.extra["run_id"], step)
     state.step, state.consumed = step, state.consumed + drawn
     state.extra["invalid"] += invalid
     state.extra["kl_controller"] = obj.kl.state_dict()
@@ -527,6 +522,20 @@ def rl_step_once(roles: Roles, cfg: Config, obj: Objective, rows: list[dict], st
     row.update({"invalid": invalid, "kept": len(kept_idx), "prompts_drawn": drawn, "sampling_rounds": rounds, "kl_coef": obj.kl.value,
                 "policy_version": step, **times})
     return row, records
+
+
+def step_records(samples: RolloutBatch, trained_idx: list[int], trained: RolloutBatch | None, run_id: str, step: int) -> list[dict]:
+    """The step's rollout rows in drawn order, each built once: the samples at `trained_idx` from
+    `trained` (the batch that was trained on them holds their advantages and log-probs), the rest
+    from the drawn batch."""
+    done = set(trained_idx)
+    rest = [i for i in range(len(samples)) if i not in done]
+    records: list[dict] = [None] * len(samples)
+    for idx, batch in ((trained_idx, trained), (rest, samples.select(rest))):
+        if idx:
+            for i, record in zip(idx, rollout_io.records(batch, run_id, step)):
+                records[i] = record
+    return records
 
 
 class Evaluation:
