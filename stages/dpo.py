@@ -31,13 +31,19 @@ class Config(TrainConfig):
     lr: float = 2e-4
     warmup_steps: int = 5
     beta: float = 0.1
-    loss_type: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "ipo_norm", "sigmoid_norm"] = "sigmoid"
+    """The DPO-family loss (`rlhf_core/algos/losses.py:dpo_loss`, docs/algorithms.md)."""
     label_smoothing: float = 0.0
-    """cDPO label noise (with loss_type cdpo)."""
+    """Label noise: cDPO's smoothing (cdpo, sigmoid, sigmoid_norm) or robust DPO's flip rate (< 0.5)."""
     nll_coef: float = 1.0
     """Weight of the chosen-response NLL term (RPO, Pang et al. 2024); 0 is plain DPO.  On the
     default task's near-miss pairs plain DPO lowers both responses' likelihood and greedy accuracy
     falls (sft 0.80 -> 0.49 in 30 steps, 0.695 in 100); with the term: 0.975 and 0.99."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type == "robust" and not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.loss_type=robust needs 0 <= dpo.label_smoothing < 0.5 (the label flip rate), got {self.label_smoothing}")
 
 
 # --- maths: run inside the workers ---------------------------------------------------------
@@ -55,7 +61,8 @@ def loss_fn(model, batch, counts, beta: float, loss_type: str, label_smoothing: 
     logps, lengths = sequence_logps(model, batch)
     b = logps.shape[0] // 2
     loss, stats = dpo_loss(logps[:b], logps[b:], batch["ref_chosen"], batch["ref_rejected"], beta=beta, loss_type=loss_type,
-                           label_smoothing=label_smoothing, chosen_nll=-logps[:b] / lengths[:b].clamp(min=1), nll_coef=nll_coef)
+                           label_smoothing=label_smoothing, chosen_nll=-logps[:b] / lengths[:b].clamp(min=1), nll_coef=nll_coef,
+                           chosen_lengths=lengths[:b], rejected_lengths=lengths[b:])
     return loss * b / counts["num_pairs"], stats
 
 

@@ -108,7 +108,9 @@ class Config(TrainConfig):
     kl_coef: float = 0.01
     kl_mode: Literal["loss", "reward", "none"] = "loss"
     """KL to the reference as a loss term (GRPO style) or as a per-token reward penalty (PPO style)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_clamp: float | None = None
+    """Bound the per-token KL estimate to [-kl_clamp, kl_clamp] (OpenRLHF clamps every estimator at 10)."""
     adaptive_kl: bool = False
     kl_target: float = 0.1
     kl_horizon: float = 10000.0
@@ -280,8 +282,8 @@ def make_losses(cfg: Config) -> tuple[rl_step.PolicyObjective, rl_step.CriticObj
     coefficient is set per step)."""
     settings = policy_loss_settings(cfg)
     policy = rl_step.PolicyObjective(loss_type=cfg.loss_type, dual_clip=cfg.dual_clip, norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
-                                     kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, is_correction=cfg.is_correction,
-                                     is_low=cfg.is_low, is_high=cfg.is_high, **settings)
+                                     kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, entropy_coef=cfg.entropy_coef,
+                                     is_correction=cfg.is_correction, is_low=cfg.is_low, is_high=cfg.is_high, **settings)
     critic = rl_step.CriticObjective(value_clip=cfg.value_clip, agg_mode=settings["agg_mode"], norm_len=cfg.max_new_tokens)
     return policy, critic
 
@@ -468,7 +470,7 @@ def train_on(roles: Roles, cfg: Config, obj: Objective, kept: RolloutBatch, step
     tic = time.time()
     kept = forward_stats(roles, cfg, kept, obj.collate)
     kept, adv_stats = rl_step.compute_advantages(kept, cfg.algo, obj.kl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
-                                                 cfg.lam, cfg.whiten_gae, cfg.reward_clip)
+                                                 cfg.lam, cfg.whiten_gae, cfg.reward_clip, cfg.kl_clamp)
     times["forward_s"], tic = time.time() - tic, time.time()
     if cfg.engine_sleep:
         roles.sleep_engines()

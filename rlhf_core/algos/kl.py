@@ -4,13 +4,16 @@ KL divergence", 2020).  With log_ratio r = logprobs - ref_logprobs of a token sa
   k1 = r                      unbiased, high variance, can be negative
   k2 = r^2 / 2                biased, low variance; its gradient is the true KL gradient in expectation
   k3 = exp(-r) - 1 + r        unbiased, always >= 0 (GRPO's estimator)
+  abs = |r|                   verl's `abs`: >= 0, gradient sign(r) (a KL-like distance, not an estimator)
 
 All take `(B, T)` tensors and return `(B, T)`; masking and averaging are the caller's job
 (`aggregation.aggregate`).  Used detached as a reward penalty (`shaping.kl_shaped_rewards`)
 or with gradient as a loss term.
 
 Clamp choice (as in verl's `low_var_kl`): for k3 the log-ratio is clamped to [-20, 20] before
-`exp` and the result to [-10, 10], so one extreme token cannot produce inf/NaN.
+`exp` and the result to [-10, 10], so one extreme token cannot produce inf/NaN.  `kl_penalty`'s
+`clamp` bounds any estimator's value to [-clamp, clamp]: OpenRLHF clamps every estimator at 10
+(`rl.kl_clamp=10` reproduces it); k1, k2 and abs are unclamped otherwise, as in verl and TRL.
 """
 from __future__ import annotations
 
@@ -40,11 +43,18 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (neg_log_ratio.exp() - neg_log_ratio - 1).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+def kl_abs(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """abs = |log pi - log pi_ref|.  Shapes `(B, T)` -> `(B, T)`."""
+    return (logprobs - ref_logprobs).abs()
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
-    """Per-token KL estimate `(B, T)` with one of `KL_ESTIMATORS`."""
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1", clamp: float | None = None) -> Tensor:
+    """Per-token KL estimate `(B, T)` with one of `KL_ESTIMATORS`, bounded to [-clamp, clamp] if
+    `clamp` is set (OpenRLHF: 10).  Example: r = 12, k1 with clamp 10 -> 10 (zero gradient there)."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
+    kl = KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
+    return kl if clamp is None else kl.clamp(-clamp, clamp)

@@ -63,7 +63,7 @@ def ppo_policy_loss(
     r = exp(logprobs - old_logprobs).  `is_weights (B, T)` (detached, from `IS_CORRECTIONS`)
     multiply the per-token loss (truncated importance sampling between engine and trainer).
     Returns (loss, stats) with stats clipfrac, dual_clipfrac, approx_kl (k3 of old vs new),
-    ratio_mean.
+    ppo_kl (k1: mean of old - new log-prob over valid tokens, verl's `ppo_kl`), ratio_mean.
     """
     log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
@@ -87,6 +87,7 @@ def ppo_policy_loss(
             "clipfrac": masked_mean(clipped, response_mask),
             "dual_clipfrac": masked_mean(dual_clipped, response_mask),
             "approx_kl": masked_mean(ratio - 1 - log_ratio, response_mask),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
             "ratio_mean": masked_mean(ratio, response_mask),
         }
     return loss, stats
@@ -189,14 +190,20 @@ IS_CORRECTIONS = {"tis": tis_weights, "icepop": icepop_weights, "seq_mask_tis": 
 def value_loss(values, old_values, returns, response_mask, clip: float | None = 0.2, agg_mode="token-mean", num_tokens=None, num_seqs=None,
                norm_len=None):
     """Clipped value loss (PPO2 baselines): l_t = 0.5 * max((V - R)^2, (V_clip - R)^2),
-    V_clip = old_V + clip(V - old_V, -clip, clip).  `clip=None` gives plain 0.5 (V - R)^2."""
+    V_clip = old_V + clip(V - old_V, -clip, clip).  `clip=None` gives plain 0.5 (V - R)^2.
+    Stats: value_mean, value_error, and vf_clipfrac (share of valid tokens where the clipped term
+    is the larger one, verl's `vf_clipfrac`; 0 without clip)."""
     loss_mat = (values - returns).square()
+    vf_clipped = torch.zeros_like(loss_mat)
     if clip is not None:
         v_clip = old_values + (values - old_values).clamp(-clip, clip)
-        loss_mat = torch.maximum(loss_mat, (v_clip - returns).square())
+        clipped_mat = (v_clip - returns).square()
+        vf_clipped = (clipped_mat > loss_mat).float()
+        loss_mat = torch.maximum(loss_mat, clipped_mat)
     loss = 0.5 * aggregate(loss_mat, response_mask, agg_mode, num_tokens, num_seqs, norm_len)
     with torch.no_grad():
-        stats = {"value_mean": masked_mean(values, response_mask), "value_error": masked_mean((values - returns).square(), response_mask)}
+        stats = {"value_mean": masked_mean(values, response_mask), "value_error": masked_mean((values - returns).square(), response_mask),
+                 "vf_clipfrac": masked_mean(vf_clipped, response_mask)}
     return loss, stats
 
 
@@ -245,11 +252,23 @@ def _dpo_sigmoid(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
     return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
 
 
+def _dpo_robust(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    return (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) / (1 - 2 * label_smoothing)
+
+
+def _dpo_hinge(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
+    return torch.relu(1 - beta * h)
+
+
 def _dpo_ipo(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
     return (h - 1.0 / (2.0 * beta)).square()
 
 
-DPO_LOSSES = {"sigmoid": _dpo_sigmoid, "cdpo": _dpo_sigmoid, "ipo": _dpo_ipo}
+DPO_LOSSES = {"sigmoid": _dpo_sigmoid, "cdpo": _dpo_sigmoid, "robust": _dpo_robust, "hinge": _dpo_hinge, "ipo": _dpo_ipo,
+              "ipo_norm": _dpo_ipo, "sigmoid_norm": _dpo_sigmoid}
+LENGTH_NORMALISED = {"ipo_norm", "sigmoid_norm"}
+"""Loss types whose h is built from per-token mean log-ratios (each response's summed log-ratio
+divided by its length) instead of sums."""
 
 
 def dpo_loss(
@@ -262,6 +281,8 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     chosen_nll: Tensor | None = None,
     nll_coef: float = 0.0,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
 ):
     """DPO family from *summed* sequence log-probs, all `(B,)`.
 
@@ -269,21 +290,39 @@ def dpo_loss(
       sigmoid (Rafailov et al. 2023, eq. 7):  -log sigmoid(beta h)
       cdpo    (label smoothing eps, Mitchell 2023): -(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
               (`sigmoid` with label_smoothing > 0 is the same)
-      ipo     (Azar et al. 2023, eq. 17):  (h - 1/(2 beta))^2
+      robust  (Chowdhury et al. 2024, unbiased under a flip rate eps < 0.5; TRL `robust`):
+              (-(1-eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)
+      hinge   (SLiC-HF, Zhao et al. 2023; TRL/OpenRLHF `hinge`):  relu(1 - beta h)
+      ipo     (Azar et al. 2023, eq. 17, on summed log-probs as OpenRLHF):  (h - 1/(2 beta))^2
+    Length-normalised (h from per-token means: (pi_c - ref_c)/|y_c| - (pi_r - ref_r)/|y_r|, needs
+    `chosen_lengths`/`rejected_lengths`):
+      ipo_norm      IPO as TRL computes it (mean log-probs)
+      sigmoid_norm  DPO on mean log-ratios (TRL `sigmoid_norm`, SimPO's length normalisation
+                    with the reference kept); label smoothing applies as for sigmoid
     Optional NLL term (RPO, Pang et al. 2024): + nll_coef * chosen_nll, chosen_nll `(B,)` the
     per-token mean NLL of the chosen response.  Returns (mean loss, stats) with implicit
-    rewards beta (pi - ref) for chosen/rejected, margins and preference accuracy.
+    rewards beta (pi - ref) for chosen/rejected (batch means; summed log-ratios for every type),
+    margins and preference accuracy.
     Example: h = 0, beta = 0.1, sigmoid -> loss = log 2 = 0.6931.
     """
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"unknown dpo loss_type {loss_type!r}; valid: {sorted(DPO_LOSSES)}")
-    h = (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
+    if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"dpo loss_type robust needs 0 <= label_smoothing < 0.5 (the label flip rate), got {label_smoothing}")
+    chosen_ratio = policy_chosen_logps - ref_chosen_logps
+    rejected_ratio = policy_rejected_logps - ref_rejected_logps
+    if loss_type in LENGTH_NORMALISED:
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"dpo loss_type {loss_type} needs chosen_lengths and rejected_lengths")
+        h = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+    else:
+        h = chosen_ratio - rejected_ratio
     losses = DPO_LOSSES[loss_type](h, beta, label_smoothing)
     if chosen_nll is not None and nll_coef:
         losses = losses + nll_coef * chosen_nll
     with torch.no_grad():
-        chosen_r = beta * (policy_chosen_logps - ref_chosen_logps)
-        rejected_r = beta * (policy_rejected_logps - ref_rejected_logps)
+        chosen_r = beta * chosen_ratio
+        rejected_r = beta * rejected_ratio
         stats = {
             "rewards/chosen": chosen_r.mean(),
             "rewards/rejected": rejected_r.mean(),

@@ -25,7 +25,7 @@ from rlhf_core.rollout.batch import RolloutBatch
 TRAIN_COLUMNS = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
 
 def compute_advantages(batch: RolloutBatch, algo: str, kl_coef: float, kl_in_reward: bool, kl_estimator: str, gamma: float,
-                       lam: float, whiten_gae: bool, reward_clip: float | None) -> tuple[RolloutBatch, dict]:
+                       lam: float, whiten_gae: bool, reward_clip: float | None, kl_clamp: float | None = None) -> tuple[RolloutBatch, dict]:
     """The batch with `advantages`, `returns`, `kl` (per token) and `centred_score`, and the batch's
     stats.  Scores must be finite (invalid samples are removed before this)."""
     recipe = ALGO_RECIPES[algo]
@@ -33,7 +33,7 @@ def compute_advantages(batch: RolloutBatch, algo: str, kl_coef: float, kl_in_rew
     values = batch.old_values if recipe.needs_critic else None
     scores = torch.tensor(batch.score, dtype=torch.float32)
     centred = SCORE_BASELINES[recipe.baseline](scores, torch.tensor(batch.group))
-    kl = kl_penalty(old, ref, kl_estimator) * mask
+    kl = kl_penalty(old, ref, kl_estimator, kl_clamp) * mask
     token_rewards = kl_shaped_rewards(centred, kl, mask, kl_coef if kl_in_reward else 0.0, reward_clip)
     adv, ret = ESTIMATORS[recipe.estimator](token_rewards, values, mask, gamma, lam)
     if recipe.estimator == "gae" and whiten_gae:
@@ -108,6 +108,7 @@ class PolicyObjective:
     kl_loss_coef: float = 0.0
     """Set per step (the KL controller's value when kl_mode=loss): `dataclasses.replace`."""
     kl_estimator: str = "k3"
+    kl_clamp: float | None = None
     entropy_coef: float = 0.0
     is_correction: str | None = None
     is_low: float = 0.5
@@ -128,7 +129,7 @@ class PolicyObjective:
                                                      clip_high=self.clip_high, dual_clip=self.dual_clip, is_weights=is_weights, **agg)
         stats.update(pstats)
         if self.kl_loss_coef:
-            kl = kl_penalty(lp, batch["ref_logprobs"], self.kl_estimator)
+            kl = kl_penalty(lp, batch["ref_logprobs"], self.kl_estimator, self.kl_clamp)
             loss = loss + self.kl_loss_coef * aggregate(kl, mask, self.agg_mode, counts["num_tokens"], counts["num_seqs"], self.norm_len)
             stats["kl_loss"] = masked_mean(kl.detach(), mask)
         if self.entropy_coef:

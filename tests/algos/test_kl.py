@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rlhf_core.algos.kl import kl_k1, kl_k2, kl_k3, kl_penalty
+from rlhf_core.algos.kl import KL_ESTIMATORS, kl_abs, kl_k1, kl_k2, kl_k3, kl_penalty
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +38,17 @@ def test_k3_extreme_is_finite_and_nonnegative():
 def test_unknown():
     with pytest.raises(ValueError, match="k1"):
         kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_abs_and_the_openrlhf_clamp():
+    lp, ref = torch.tensor([-3.0, -1.0, 0.0]), torch.tensor([-1.0, -13.0, -0.5])  # r = -2, 12, 0.5
+    assert kl_abs(lp, ref).tolist() == [2.0, 12.0, 0.5]
+    assert kl_penalty(lp, ref, "k1").tolist() == [-2.0, 12.0, 0.5]  # unclamped by default
+    assert kl_penalty(lp, ref, "k1", clamp=10.0).tolist() == [-2.0, 10.0, 0.5]
+    assert kl_penalty(lp, ref, "k2", clamp=10.0).tolist() == [2.0, 10.0, 0.125]  # k2(12) = 72 -> 10
+    assert kl_penalty(lp, ref, "abs", clamp=1.0).tolist() == [1.0, 1.0, 0.5]
+    # a clamped token passes no gradient: the penalty cannot push an extreme token further
+    x = torch.tensor([12.0], requires_grad=True)
+    kl_penalty(x, torch.zeros(1), "k1", clamp=10.0).sum().backward()
+    assert x.grad.item() == 0.0
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "abs"}

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.algos.losses import (
+    DPO_LOSSES,
     IS_CORRECTIONS,
     dpo_loss,
     entropy_bonus,
@@ -171,3 +172,64 @@ def test_dpo_family():
     assert loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(1.0)).item() + 1.0)
     with pytest.raises(ValueError, match="ipo"):
         dpo_loss(pc, pr, rc, rr, loss_type="kto")
+
+
+def test_dpo_robust_hinge_and_length_normalised_by_hand():
+    pc, pr = torch.tensor([-1.0]), torch.tensor([-3.0])
+    rc, rr = torch.tensor([-2.0]), torch.tensor([-2.0])  # chosen ratio +1, rejected ratio -1: h = 2, beta h = 1
+    # robust, eps 0.1: (-(0.9) log s(1) + 0.1 log s(-1)) / 0.8 = (0.9 * 0.31326 - 0.1 * 1.31326) / 0.8 = 0.18827
+    loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="robust", label_smoothing=0.1)
+    assert loss.item() == pytest.approx((0.9 * 0.3132617 - 0.1 * 1.3132617) / 0.8, abs=1e-6)
+    # robust with eps 0 is plain DPO; eps >= 0.5 has no unbiased estimator
+    plain, _ = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    assert dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="robust")[0].item() == pytest.approx(plain.item())
+    with pytest.raises(ValueError, match="label_smoothing < 0.5"):
+        dpo_loss(pc, pr, rc, rr, loss_type="robust", label_smoothing=0.5)
+    # hinge: relu(1 - beta h): beta 0.25 -> 0.5; beta 0.5 -> exactly on the margin, 0
+    assert dpo_loss(pc, pr, rc, rr, beta=0.25, loss_type="hinge")[0].item() == pytest.approx(0.5)
+    assert dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="hinge")[0].item() == 0.0
+    # length-normalised: chosen 2 tokens, rejected 4 tokens -> h = 1/2 - (-1)/4 = 0.75
+    lc, lr = torch.tensor([2.0]), torch.tensor([4.0])
+    loss, stats = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo_norm", chosen_lengths=lc, rejected_lengths=lr)
+    assert loss.item() == pytest.approx((0.75 - 1.0) ** 2)
+    assert stats["rewards/chosen"].item() == pytest.approx(0.5)  # implicit rewards stay on summed ratios
+    loss, _ = dpo_loss(pc, pr, rc, rr, beta=2.0, loss_type="sigmoid_norm", chosen_lengths=lc, rejected_lengths=lr)
+    assert loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(1.5)).item())
+    with pytest.raises(ValueError, match="lengths"):
+        dpo_loss(pc, pr, rc, rr, loss_type="sigmoid_norm")
+    # gradients: hinge is flat beyond the margin, sigmoid is not
+    p = torch.tensor([-1.0], requires_grad=True)
+    dpo_loss(p, pr, rc, rr, beta=0.5, loss_type="hinge")[0].backward()
+    assert p.grad.item() == 0.0
+
+
+def test_dpo_stage_config_offers_every_loss_and_checks_robust_flip_rate():
+    from pathlib import Path
+    from typing import get_args, get_type_hints
+
+    from rlhf_core.config import ConfigError, load_config
+    from stages import dpo
+
+    assert set(get_args(get_type_hints(dpo.Config)["loss_type"])) == set(DPO_LOSSES)
+    assert load_config(dpo.Config, "dpo", Path("none.yaml"), ["dpo.loss_type=hinge"]).loss_type == "hinge"
+    with pytest.raises(ConfigError, match="label_smoothing < 0.5"):
+        load_config(dpo.Config, "dpo", Path("none.yaml"), ["dpo.loss_type=robust", "dpo.label_smoothing=0.5"])
+
+
+def test_ppo_kl_and_value_clipfrac_statistics():
+    # old - new = (0.1, -0.3) on the valid tokens, a third token masked out: ppo_kl = -0.1
+    new = torch.tensor([[0.0, 0.0, 5.0]])
+    old = torch.tensor([[0.1, -0.3, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    _, stats = ppo_policy_loss(new, old, torch.ones(1, 3), mask)
+    assert stats["ppo_kl"].item() == pytest.approx(-0.1)
+    r = torch.tensor([math.exp(-0.1), math.exp(0.3)])
+    assert stats["approx_kl"].item() == pytest.approx(((r - 1) - torch.tensor([-0.1, 0.3])).mean().item(), abs=1e-6)
+    # value clip 0.2: token 1 moves 0.5 (beyond the range: (1.2 - 2)^2 = 0.64 > (1.5 - 2)^2 = 0.25, clipped),
+    # token 2 moves 0.1 (within it: both terms equal, not clipped), token 3 masked
+    values, old_v = torch.tensor([[1.5, 0.1, 9.0]]), torch.tensor([[1.0, 0.0, 0.0]])
+    returns = torch.tensor([[2.0, 0.5, 0.0]])
+    _, vstats = value_loss(values, old_v, returns, mask, clip=0.2)
+    assert vstats["vf_clipfrac"].item() == pytest.approx(0.5)
+    _, vstats = value_loss(values, old_v, returns, mask, clip=None)
+    assert vstats["vf_clipfrac"].item() == 0.0

@@ -54,6 +54,14 @@ def test_kl_in_reward_and_masked_env_tokens():
     assert out.per_token("kl", 0) == pytest.approx([1.0, 0.0, 1.0])
 
 
+def test_kl_clamp_bounds_the_reward_side_kl():
+    s = sample(2, [5, 6], [1, 1], 0, 1.0, old=[-1.0, 0.0], ref=[-13.0, -0.5])  # k1 = 12, 0.5
+    for clamp, expected in ((None, [12.0, 0.5]), (10.0, [10.0, 0.5])):
+        out, _ = rl_step.compute_advantages(make_batch([s]), "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0,
+                                            lam=1.0, whiten_gae=False, reward_clip=None, kl_clamp=clamp)
+        assert out.per_token("kl", 0) == pytest.approx(expected)
+
+
 def test_reward_validation_never_turns_bad_values_into_zero():
     values, _, why = R._validate("f", [1.0, float("nan"), None, "x"], 4)
     assert values[0] == 1.0 and all(math.isnan(v) for v in values[1:])

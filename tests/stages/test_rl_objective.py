@@ -129,3 +129,23 @@ def test_the_kl_loss_term_reaches_the_policy_loss():
     k3 = 0.5 - 1 + math.log(2.0)
     assert float(with_kl - base) == pytest.approx(0.5 * k3, abs=1e-6) and float(kl_stats["kl_loss"]) == pytest.approx(k3, abs=1e-6)
     assert "kl_loss" not in stats
+
+
+def test_kl_estimator_and_clamp_reach_the_loss_and_the_advantages():
+    """`rl.kl_estimator=abs` and `rl.kl_clamp` from the stage config: the loss term is coef * |r|
+    bounded at the clamp, and the reward-side KL column is clamped the same way."""
+    from dataclasses import replace
+    from typing import get_args, get_type_hints
+
+    from rlhf_core.algos.kl import KL_ESTIMATORS
+
+    assert set(get_args(get_type_hints(Config)["kl_estimator"])) == set(KL_ESTIMATORS)
+    model = lambda input_ids, attention_mask: SimpleNamespace(logits=LOGITS)  # noqa: E731
+    counts = {"num_tokens": 2, "num_seqs": 1}
+    b = batch(1.0, 1.0)
+    b["ref_logprobs"] = b["ref_logprobs"] - 3.0  # r = log pi - log ref = 3 on every token
+    for clamp, expected in ((None, 3.0), (2.0, 2.0)):
+        loss_fn, _ = make_losses(from_dict(Config, {"kl_estimator": "abs", "kl_clamp": clamp}))
+        base, _ = loss_fn(model, b, counts)
+        with_kl, stats = replace(loss_fn, kl_loss_coef=0.5)(model, b, counts)
+        assert float(with_kl - base) == pytest.approx(0.5 * expected, abs=1e-6) and float(stats["kl_loss"]) == pytest.approx(expected, abs=1e-6)

@@ -158,8 +158,9 @@ def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, 
     per-step losses equal the uninterrupted run's, so no sample was skipped or replayed."""
     small = project / "prefs_32.jsonl"  # not under data/: that directory's manifest lists exactly prepare's files
     small.write_text("".join((project / "data" / "prefs.jsonl").read_text().splitlines(keepends=True)[:32]))
+    # a length-normalised loss (needs each response's length from the workers' forward) through the stage
     base = ["--set", f"dpo.train_data={small}", "--set", "dpo.max_steps=5", "--set", "dpo.save_steps=2",
-            "--set", "dpo.global_batch_size=16", "--set", "dpo.eval_max_new_tokens=2"]
+            "--set", "dpo.global_batch_size=16", "--set", "dpo.eval_max_new_tokens=2", "--set", "dpo.loss_type=sigmoid_norm"]
     runs, outputs = {}, {}
     for name, fault in (("dpo_uninterrupted", None), ("dpo_killed", "sigkill_after_step:3")):
         args = [*base, "--set", f"dpo.output_dir=artifacts/{name}"]
@@ -177,6 +178,7 @@ def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["step"] for r in history(killed)] == [1, 2, 3, 4, 5]
     assert [r["train/loss"] for r in history(killed)] == [r["train/loss"] for r in history(project / "artifacts" / "dpo_uninterrupted")]
+    assert json.loads((killed / "config.resolved.json").read_text())["config"]["loss_type"] == "sigmoid_norm"
 
 
 @pytest.mark.xdist_group("sft_later")
