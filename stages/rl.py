@@ -120,7 +120,7 @@ class Config(TrainConfig):
     clip_high: float | None = None
     """Upper clip range (DAPO clip-higher: e.g. 0.28 with ppo); unset: ppo 0.2, gspo 4e-4."""
     dual_clip: float | None = None
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = None
+    loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = None
     """Loss aggregation; unset: the loss type's default (ppo token-mean, gspo seq-mean-token-mean)."""
     entropy_coef: float = 0.0
     gamma: float = 1.0
@@ -129,10 +129,17 @@ class Config(TrainConfig):
     reward_clip: float = 10.0
     critic_lr: float = 1e-3
     value_clip: float | None = 0.2
-    is_correction: Literal["tis", "icepop", "seq_mask_tis"] | None = None
-    """Importance-sampling correction between engine and trainer log-probs (TIS options)."""
+    is_correction: Literal["tis", "icepop", "seq_mask_tis", "seq_tis", "token_rs", "seq_rs", "geo_rs"] | None = None
+    """Rollout correction between engine and trainer log-probs (`algos.losses.IS_CORRECTIONS`):
+    truncated IS per token (tis) or sequence (seq_tis), masked IS (icepop, seq_mask_tis), or pure
+    rejection of tokens / sequences / geometric-mean outliers (token_rs, seq_rs, geo_rs)."""
     is_low: float = 0.5
+    """Lower bound of the kept ratio range (masking and rejection corrections)."""
     is_high: float = 2.0
+    """Truncation threshold (tis, seq_tis) and upper bound of the kept range (the others)."""
+    is_batch_normalize: bool = False
+    """Divide the IS weights by their mean over the micro-batch (per token, or per sequence for
+    the sequence-level corrections), after truncation (verl `rollout_is_batch_normalize`)."""
     dynamic_sampling: bool = False
     """DAPO: drop prompt groups whose scores are all equal (they carry no group advantage) and
     draw further prompts until `prompts_per_step` groups are kept (at most `dynamic_sampling_rounds`)."""
@@ -283,7 +290,8 @@ def make_losses(cfg: Config) -> tuple[rl_step.PolicyObjective, rl_step.CriticObj
     settings = policy_loss_settings(cfg)
     policy = rl_step.PolicyObjective(loss_type=cfg.loss_type, dual_clip=cfg.dual_clip, norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
                                      kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, entropy_coef=cfg.entropy_coef,
-                                     is_correction=cfg.is_correction, is_low=cfg.is_low, is_high=cfg.is_high, **settings)
+                                     is_correction=cfg.is_correction, is_low=cfg.is_low, is_high=cfg.is_high,
+                                     is_batch_normalize=cfg.is_batch_normalize, **settings)
     critic = rl_step.CriticObjective(value_clip=cfg.value_clip, agg_mode=settings["agg_mode"], norm_len=cfg.max_new_tokens)
     return policy, critic
 

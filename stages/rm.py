@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlhf_core.algos.aggregation import masked_sum, pool_response
-from rlhf_core.algos.losses import RM_LOSSES, token_logprobs
+from rlhf_core.algos.losses import RM_LOSSES, rm_centering_loss, token_logprobs
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.loop import StageSpec, save_final_model, train
@@ -51,6 +51,10 @@ class Config(TrainConfig):
     """Pairwise loss (`algos.losses.RM_LOSSES`)."""
     margin: float = 0.0
     """Margin of the sigmoid loss."""
+    center_rewards_coef: float = 0.0
+    """Weight of the reward centring term mean((r_c + r_r)^2) (TRL `center_rewards_coefficient`,
+    0.01 in its docs); 0 is off.  Meant for the head poolings: with `logprob` it pulls the
+    log-likelihoods themselves towards 0."""
     pooling: Literal["last", "response_sum", "response_mean", "logprob"] = "last"
     """Where the reward is read: the last token, per token summed/averaged over the response, or
     the response's summed log-probability under the model (no head)."""
@@ -75,10 +79,14 @@ def rewards_of(model, batch, pooling: str):
     return pool_response(logits, batch["loss_mask"].float(), pooling)
 
 
-def loss_fn(model, batch, counts, loss: str, margin: float, pooling: str):
+def loss_fn(model, batch, counts, loss: str, margin: float, pooling: str, center_rewards_coef: float = 0.0):
     rewards = rewards_of(model, batch, pooling)
     b = rewards.shape[0] // 2
     value, stats = RM_LOSSES[loss](rewards[:b], rewards[b:], margin)
+    if center_rewards_coef:
+        centring = rm_centering_loss(rewards[:b], rewards[b:])
+        value = value + center_rewards_coef * centring
+        stats["centring"] = centring.detach()
     return value * b / counts["num_pairs"], stats  # mean over the global batch, summed over ranks
 
 
@@ -112,7 +120,8 @@ def build_spec(cfg: Config, out_dir: Path):
         return out
 
     spec = StageSpec(name="rm", model_path=cfg.model_path, model_kind=MODEL_KINDS[cfg.pooling], examples=pairs,
-                     collate=collate, loss_fn=partial(loss_fn, loss=cfg.loss, margin=cfg.margin, pooling=cfg.pooling), counts=common.count_pairs,
+                     collate=collate, loss_fn=partial(loss_fn, loss=cfg.loss, margin=cfg.margin, pooling=cfg.pooling,
+                                                     center_rewards_coef=cfg.center_rewards_coef), counts=common.count_pairs,
                      evaluate=evaluate, data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
     return spec, tokenizer
 

@@ -70,6 +70,11 @@ def token_mean(loss_mat: Tensor, mask: Tensor, num_tokens: Tensor | float, num_s
     return masked_sum(loss_mat, mask) / num_tokens
 
 
+def token_sum(loss_mat: Tensor, mask: Tensor, num_tokens, num_seqs, norm_len) -> Tensor:
+    """sum_{i,t} m_it * l_it  (no normalisation: the scale grows with batch and length; verl `token-sum`)."""
+    return masked_sum(loss_mat, mask)
+
+
 def seq_mean_token_mean(loss_mat: Tensor, mask: Tensor, num_tokens, num_seqs: Tensor | float, norm_len) -> Tensor:
     """(1/N_seqs) sum_i [ sum_t m_it l_it / sum_t m_it ]  (original GRPO)."""
     per_seq = masked_sum(loss_mat, mask, dim=-1) / mask.sum(-1).clamp(min=1)
@@ -92,6 +97,7 @@ def seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor, num_tokens, num_seqs
 
 AGGREGATIONS = {
     "token-mean": token_mean,
+    "token-sum": token_sum,
     "seq-mean-token-mean": seq_mean_token_mean,
     "seq-mean-token-sum": seq_mean_token_sum,
     "seq-mean-token-sum-norm": seq_mean_token_sum_norm,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .aggregation import aggregate, masked_mean
+from .aggregation import aggregate, masked_mean, masked_sum
 
 # exp() of a log-ratio above this is inf in fp32; clamping keeps extreme tokens finite
 # (they are clipped by the PPO objective anyway).
@@ -158,7 +158,7 @@ def tis_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.0, 
     """Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you
     off-policy RL training"): w_t = min(ratio_t, high).  `low` unused."""
     ratio = _is_ratio(old_logprobs, engine_logprobs)
-    weights = ratio.clamp(max=high)
+    weights = ratio.clamp(max=high) * response_mask
     return weights, {"is_truncated_frac": masked_mean((ratio > high).float(), response_mask)}
 
 
@@ -166,8 +166,15 @@ def icepop_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.
     """IcePop (Ling team 2025): w_t = ratio_t if low <= ratio_t <= high else 0 (token masked)."""
     ratio = _is_ratio(old_logprobs, engine_logprobs)
     keep = (ratio >= low) & (ratio <= high)
-    weights = torch.where(keep, ratio, torch.zeros_like(ratio))
+    weights = torch.where(keep, ratio, torch.zeros_like(ratio)) * response_mask
     return weights, {"is_masked_frac": masked_mean((~keep).float(), response_mask)}
+
+
+def _seq_log_ratio(old_logprobs, engine_logprobs, response_mask, mean: bool) -> Tensor:
+    """Per sequence `(B,)`: sum (or mean) over valid tokens of log(pi_old / pi_engine), bounded."""
+    log_ratio = (old_logprobs - engine_logprobs).detach()
+    agg = masked_mean(log_ratio, response_mask, dim=-1) if mean else masked_sum(log_ratio, response_mask, dim=-1)
+    return agg.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def seq_mask_tis_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.5, high: float = 2.0):
@@ -175,13 +182,64 @@ def seq_mask_tis_weights(old_logprobs, engine_logprobs, response_mask, low: floa
     geometric-mean ratio exp(mean_t log ratio_t) lies outside [low, high] get weight 0.
     (Geometric mean, not the product, so the threshold does not depend on length.)"""
     ratio = _is_ratio(old_logprobs, engine_logprobs)
-    seq_ratio = masked_mean(ratio.log(), response_mask, dim=-1).exp()
+    seq_ratio = _seq_log_ratio(old_logprobs, engine_logprobs, response_mask, mean=True).exp()
     keep_seq = (seq_ratio >= low) & (seq_ratio <= high)
-    weights = ratio.clamp(max=high) * keep_seq.unsqueeze(-1).to(ratio.dtype)
+    weights = ratio.clamp(max=high) * keep_seq.unsqueeze(-1).to(ratio.dtype) * response_mask
     return weights, {"is_seq_masked_frac": (~keep_seq).float().mean()}
 
 
-IS_CORRECTIONS = {"tis": tis_weights, "icepop": icepop_weights, "seq_mask_tis": seq_mask_tis_weights}
+def seq_tis_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.0, high: float = 2.0):
+    """Sequence-level truncated IS (verl `rollout_is=sequence`): one weight per sequence,
+    w_i = min(prod_t ratio_it, high), on each of its tokens.  `low` unused."""
+    seq_ratio = _seq_log_ratio(old_logprobs, engine_logprobs, response_mask, mean=False).exp()
+    weights = seq_ratio.clamp(max=high).unsqueeze(-1) * response_mask
+    return weights, {"is_truncated_frac": (seq_ratio > high).float().mean()}
+
+
+def _rejection(keep: Tensor, response_mask: Tensor, per_sequence: bool):
+    """Weights 1 where kept, 0 where rejected (no reweighting), zero on padding."""
+    keep = keep.unsqueeze(-1) if per_sequence else keep
+    weights = keep.float() * response_mask
+    return weights, {"rs_masked_frac": 1.0 - masked_mean(weights, response_mask)}
+
+
+def token_rs_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.5, high: float = 2.0):
+    """Token rejection (verl `rollout_rs=token`): tokens with ratio_t outside [low, high] leave the loss."""
+    ratio = _is_ratio(old_logprobs, engine_logprobs)
+    return _rejection((ratio >= low) & (ratio <= high), response_mask, per_sequence=False)
+
+
+def seq_rs_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.5, high: float = 2.0):
+    """Sequence rejection (verl `rollout_rs=sequence`): sequences whose product of ratios is outside
+    [low, high] leave the loss."""
+    seq_ratio = _seq_log_ratio(old_logprobs, engine_logprobs, response_mask, mean=False).exp()
+    return _rejection((seq_ratio >= low) & (seq_ratio <= high), response_mask, per_sequence=True)
+
+
+def geo_rs_weights(old_logprobs, engine_logprobs, response_mask, low: float = 0.999, high: float = 1.001):
+    """Geometric rejection (verl `rollout_rs=geometric`): sequences whose geometric-mean ratio is
+    outside [low, high] leave the loss (thresholds near 1: it is an average per-token deviation)."""
+    seq_ratio = _seq_log_ratio(old_logprobs, engine_logprobs, response_mask, mean=True).exp()
+    return _rejection((seq_ratio >= low) & (seq_ratio <= high), response_mask, per_sequence=True)
+
+
+def batch_normalise_is(weights: Tensor, response_mask: Tensor, per_sequence: bool) -> Tensor:
+    """IS weights divided by their batch mean (verl `rollout_is_batch_normalize`), applied after
+    truncation: over valid tokens, or over sequences (one weight each) for sequence-level weights.
+    Example: token weights [2, 0.5, 0.5] -> mean 1 -> unchanged; [2, 2] -> [1, 1]."""
+    if per_sequence:
+        seq_w = masked_mean(weights, response_mask, dim=-1)
+        valid = response_mask.sum(-1) > 0
+        mean = seq_w[valid].mean() if valid.any() else weights.new_tensor(1.0)
+    else:
+        mean = masked_mean(weights, response_mask)
+    return weights / mean.clamp(min=1e-8)
+
+
+IS_CORRECTIONS = {"tis": tis_weights, "icepop": icepop_weights, "seq_mask_tis": seq_mask_tis_weights, "seq_tis": seq_tis_weights,
+                  "token_rs": token_rs_weights, "seq_rs": seq_rs_weights, "geo_rs": geo_rs_weights}
+SEQUENCE_LEVEL_IS = {"seq_tis", "seq_rs", "geo_rs", "seq_mask_tis"}
+"""Corrections with one weight per sequence (batch normalisation averages over sequences)."""
 
 
 # --- value, entropy ------------------------------------------------------------------------
@@ -238,6 +296,13 @@ def rm_logexp_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, margin: Ten
     diff = chosen_rewards - rejected_rewards
     loss = F.softplus(-diff).mean()
     return loss, _rm_stats(diff, chosen_rewards, rejected_rewards)
+
+
+def rm_centering_loss(chosen_rewards: Tensor, rejected_rewards: Tensor) -> Tensor:
+    """Reward centring term mean((r_c + r_r)^2) (Eisenstein et al. 2023; TRL's
+    `center_rewards_coefficient`): the pairwise loss only sees differences, so without it the
+    rewards drift freely; weighted by `rm.center_rewards_coef`.  Example: r_c = 1, r_r = -1 -> 0."""
+    return (chosen_rewards + rejected_rewards).square().mean()
 
 
 def _rm_stats(diff, chosen, rejected):

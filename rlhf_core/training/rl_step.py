@@ -17,7 +17,16 @@ import torch
 from rlhf_core.algos.advantages import ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES
 from rlhf_core.algos.aggregation import aggregate, masked_mean, masked_whiten
 from rlhf_core.algos.kl import kl_penalty
-from rlhf_core.algos.losses import IS_CORRECTIONS, POLICY_LOSSES, entropy_bonus, entropy_from_logits, token_logprobs, value_loss
+from rlhf_core.algos.losses import (
+    IS_CORRECTIONS,
+    POLICY_LOSSES,
+    SEQUENCE_LEVEL_IS,
+    batch_normalise_is,
+    entropy_bonus,
+    entropy_from_logits,
+    token_logprobs,
+    value_loss,
+)
 from rlhf_core.algos.shaping import kl_shaped_rewards
 from rlhf_core.rollout.batch import RolloutBatch
 
@@ -113,6 +122,7 @@ class PolicyObjective:
     is_correction: str | None = None
     is_low: float = 0.5
     is_high: float = 2.0
+    is_batch_normalize: bool = False
 
     def __call__(self, model, batch, counts):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
@@ -125,6 +135,8 @@ class PolicyObjective:
         if self.is_correction:
             is_weights, stats = IS_CORRECTIONS[self.is_correction](batch["old_logprobs"], batch["engine_logprobs"], mask,
                                                                    low=self.is_low, high=self.is_high)
+            if self.is_batch_normalize:
+                is_weights = batch_normalise_is(is_weights, mask, per_sequence=self.is_correction in SEQUENCE_LEVEL_IS)
         loss, pstats = POLICY_LOSSES[self.loss_type](lp, batch["old_logprobs"], batch["advantages"], mask, clip_low=self.clip_low,
                                                      clip_high=self.clip_high, dual_clip=self.dual_clip, is_weights=is_weights, **agg)
         stats.update(pstats)

@@ -23,6 +23,8 @@ def test_hand_values():
     # seq-mean-token-sum-norm with L = T = 4: 21 / (3*4) = 1.75
     assert aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(1.75)
     assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_len=7).item() == pytest.approx(1.0)
+    # token-sum: 21, unnormalised
+    assert aggregate(loss, mask, "token-sum").item() == pytest.approx(21.0)
 
 
 def test_nan_outside_mask_is_ignored():

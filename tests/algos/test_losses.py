@@ -7,11 +7,13 @@ import torch.nn.functional as F
 from rlhf_core.algos.losses import (
     DPO_LOSSES,
     IS_CORRECTIONS,
+    batch_normalise_is,
     dpo_loss,
     entropy_bonus,
     entropy_from_logits,
     gspo_policy_loss,
     ppo_policy_loss,
+    rm_centering_loss,
     rm_logexp_loss,
     rm_sigmoid_loss,
     sft_loss,
@@ -114,6 +116,50 @@ def test_is_weights_have_no_gradient_and_hand_values():
     loss.backward()
     assert old.grad is None
     assert lp.grad.tolist()[0] == pytest.approx([-1 / 3, -2 / 3, -0.5 / 3])
+
+
+def test_sequence_level_is_rejection_and_batch_normalisation_by_hand():
+    # two sequences: ratios (1, 3, 0.5) and (1.1, 1.1, pad); a padded position carries ratio 7
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.55, 0.55, 0.7]]))
+    eng = torch.log(torch.tensor([[0.5, 0.3, 0.4], [0.5, 0.5, 0.1]]))
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # seq_tis: products 1.5 and 1.21 (the pad excluded), truncated at 1.3 -> 1.3 and 1.21; 0 on padding
+    w, s = IS_CORRECTIONS["seq_tis"](old, eng, m, high=1.3)
+    assert w.tolist() == [pytest.approx([1.3] * 3), pytest.approx([1.21, 1.21, 0.0])]
+    assert s["is_truncated_frac"].item() == 0.5
+    # every correction is zero at padding, whatever the ratio there
+    for name, fn in IS_CORRECTIONS.items():
+        assert fn(old, eng, m)[0][1, 2].item() == 0.0, name
+    # token_rs in [0.6, 2]: tokens with ratio 3 and 0.5 leave the loss, weight 1 (not the ratio) elsewhere
+    w, s = IS_CORRECTIONS["token_rs"](old, eng, m, low=0.6, high=2.0)
+    assert w.tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]] and s["rs_masked_frac"].item() == pytest.approx(2 / 5)
+    # seq_rs on the product in [0.8, 1.25]: 1.5 rejected, 1.21 kept
+    w, _ = IS_CORRECTIONS["seq_rs"](old, eng, m, low=0.8, high=1.25)
+    assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    # geo_rs on the geometric mean in [0.9, 1.12]: 1.5^(1/3) = 1.145 rejected, 1.1 kept
+    w, _ = IS_CORRECTIONS["geo_rs"](old, eng, m, low=0.9, high=1.12)
+    assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    # batch normalisation: per token, the valid weights' mean becomes 1; per sequence, the sequences' mean
+    w = torch.tensor([[2.0, 1.0, 0.0], [0.5, 0.5, 0.0]])
+    n = batch_normalise_is(w, m, per_sequence=False)  # mean over 5 valid tokens = 4/5 = 0.8
+    assert n.tolist() == [pytest.approx([2.5, 1.25, 0.0]), pytest.approx([0.625, 0.625, 0.0])]
+    w = torch.tensor([[1.3, 1.3, 1.3], [0.7, 0.7, 0.0]])
+    n = batch_normalise_is(w, m, per_sequence=True)  # mean of (1.3, 0.7) = 1
+    assert n.tolist() == [pytest.approx([1.3] * 3), pytest.approx([0.7, 0.7, 0.0])]
+
+
+def test_reward_centring_term_and_the_rm_stage_loss():
+    assert rm_centering_loss(torch.tensor([1.0, 2.0]), torch.tensor([-1.0, 1.0])).item() == pytest.approx((0 + 9) / 2)
+    from types import SimpleNamespace
+
+    from stages import rm
+
+    # the rm workers' loss with a sequence head: rewards chosen (1, 2), rejected (-1, 1)
+    model = lambda input_ids, attention_mask: SimpleNamespace(logits=torch.tensor([[1.0], [2.0], [-1.0], [1.0]]))  # noqa: E731
+    b = {"input_ids": torch.zeros(4, 2, dtype=torch.long), "attention_mask": torch.ones(4, 2)}
+    plain, _ = rm.loss_fn(model, b, {"num_pairs": 2}, loss="sigmoid", margin=0.0, pooling="last")
+    centred, stats = rm.loss_fn(model, b, {"num_pairs": 2}, loss="sigmoid", margin=0.0, pooling="last", center_rewards_coef=0.01)
+    assert (centred - plain).item() == pytest.approx(0.01 * 4.5) and stats["centring"].item() == pytest.approx(4.5)
 
 
 def test_value_loss_clipping():

@@ -58,6 +58,13 @@ def test_clip_higher_tis_and_temperature_reach_the_policy_loss():
     assert policy(Config(clip_high=0.28))(batch(1.0, 1.25)) == pytest.approx(-1.25, abs=1e-6)  # DAPO clip-higher
     assert policy(Config(clip_high=0.28, is_correction="tis"))(batch(1.0, 1.25, engine_ratio=3.0)) == pytest.approx(-2.5, abs=1e-5)
     assert policy(Config(clip_high=0.28, is_correction="tis"))(batch(1.0, 1.25, engine_ratio=1.5)) == pytest.approx(-1.875, abs=1e-5)
+    # sequence-level: one weight min(1.2 * 1.2, 2) = 1.44 for the 2-token response; batch-normalised
+    # over the batch's one sequence it becomes 1; geometric rejection of a 1.2 mean ratio drops the loss
+    assert policy(Config(clip_high=0.28, is_correction="seq_tis"))(batch(1.0, 1.25, engine_ratio=1.2)) == pytest.approx(-1.8, abs=1e-5)
+    assert policy(Config(clip_high=0.28, is_correction="seq_tis", is_batch_normalize=True))(batch(1.0, 1.25, engine_ratio=1.2)) == \
+        pytest.approx(-1.25, abs=1e-5)
+    assert policy(Config(clip_high=0.28, is_correction="geo_rs", is_low=0.9, is_high=1.1))(batch(1.0, 1.25, engine_ratio=1.2)) == 0.0
+    assert policy(Config(clip_high=0.28, loss_agg_mode="token-sum"))(batch(1.0, 1.25)) == pytest.approx(-2.5, abs=1e-6)
     # the batch's log-probs are of softmax(logits / 0.7): the loss sees ratio 1.25 only if it divides by 0.7 too
     assert policy(Config(clip_high=0.28, temperature=0.7))(batch(0.7, 1.25)) == pytest.approx(-1.25, abs=1e-6)
 
