@@ -126,6 +126,9 @@ class Config(TrainConfig):
     gamma: float = 1.0
     lam: float = 0.95
     whiten_gae: bool = True
+    singleton_group: Literal["zero", "score"] = "zero"
+    """Advantage of a prompt group with one sample (group baselines only): 0, nothing to compare
+    it with (ours), or its raw score as verl computes it (mean 0, std 1)."""
     reward_clip: float = 10.0
     critic_lr: float = 1e-3
     value_clip: float | None = 0.2
@@ -478,7 +481,7 @@ def train_on(roles: Roles, cfg: Config, obj: Objective, kept: RolloutBatch, step
     tic = time.time()
     kept = forward_stats(roles, cfg, kept, obj.collate)
     kept, adv_stats = rl_step.compute_advantages(kept, cfg.algo, obj.kl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
-                                                 cfg.lam, cfg.whiten_gae, cfg.reward_clip, cfg.kl_clamp)
+                                                 cfg.lam, cfg.whiten_gae, cfg.reward_clip, cfg.kl_clamp, cfg.singleton_group)
     times["forward_s"], tic = time.time() - tic, time.time()
     if cfg.engine_sleep:
         roles.sleep_engines()

@@ -15,6 +15,9 @@ Formula choices (implementations differ here):
   * GRPO std is the unbiased (Bessel) sample std, eps = 1e-6 added to the std (verl, OpenRLHF).
     A zero-variance group (all scores equal) gives advantage 0, not NaN.
   * A group of one sample has no baseline: GRPO/Dr.GRPO/group-mean give 0; RLOO gives 0.
+    verl instead takes mean 0 and std 1 for such a group, so its advantage is the raw score:
+    `keep_singleton_scores` (`rl.singleton_group=score`).  Singletons arise with
+    `rl.n_samples=1` or when dropped invalid samples leave one of a group.
   * Masked-out tokens (prompt, padding, environment feedback in multi-turn) are *transparent*
     for GAE and returns: the recursion skips them, so the last action token before an
     environment turn bootstraps from the next action token's value.
@@ -71,6 +74,14 @@ def rloo_baseline(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tenso
     mean, _, count = _group_stats(scores, group_ids)
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
     return (scores - mean) * scale
+
+
+def keep_singleton_scores(centred: Tensor, scores: Tensor, group_ids: Tensor) -> Tensor:
+    """verl's convention for groups of one sample: their centred score is the raw score (mean 0,
+    std 1) instead of the baseline's 0.  Example: groups [a, a, b], scores [1, 0, 0.7], GRPO ->
+    [0.707, -0.707, 0] becomes [0.707, -0.707, 0.7]."""
+    _, _, count = _group_stats(scores, group_ids)
+    return torch.where(count == 1, scores, centred)
 
 
 SCORE_BASELINES = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.algos.advantages import ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES
+from rlhf_core.algos.advantages import ALGO_RECIPES, ESTIMATORS, SCORE_BASELINES, keep_singleton_scores
 from rlhf_core.algos.aggregation import aggregate, masked_mean, masked_whiten
 from rlhf_core.algos.kl import kl_penalty
 from rlhf_core.algos.losses import (
@@ -34,7 +34,8 @@ from rlhf_core.rollout.batch import RolloutBatch
 TRAIN_COLUMNS = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
 
 def compute_advantages(batch: RolloutBatch, algo: str, kl_coef: float, kl_in_reward: bool, kl_estimator: str, gamma: float,
-                       lam: float, whiten_gae: bool, reward_clip: float | None, kl_clamp: float | None = None) -> tuple[RolloutBatch, dict]:
+                       lam: float, whiten_gae: bool, reward_clip: float | None, kl_clamp: float | None = None,
+                       singleton_group: str = "zero") -> tuple[RolloutBatch, dict]:
     """The batch with `advantages`, `returns`, `kl` (per token) and `centred_score`, and the batch's
     stats.  Scores must be finite (invalid samples are removed before this)."""
     recipe = ALGO_RECIPES[algo]
@@ -42,6 +43,8 @@ def compute_advantages(batch: RolloutBatch, algo: str, kl_coef: float, kl_in_rew
     values = batch.old_values if recipe.needs_critic else None
     scores = torch.tensor(batch.score, dtype=torch.float32)
     centred = SCORE_BASELINES[recipe.baseline](scores, torch.tensor(batch.group))
+    if singleton_group == "score" and recipe.baseline != "none":
+        centred = keep_singleton_scores(centred, scores, torch.tensor(batch.group))
     kl = kl_penalty(old, ref, kl_estimator, kl_clamp) * mask
     token_rewards = kl_shaped_rewards(centred, kl, mask, kl_coef if kl_in_reward else 0.0, reward_clip)
     adv, ret = ESTIMATORS[recipe.estimator](token_rewards, values, mask, gamma, lam)

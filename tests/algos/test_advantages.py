@@ -130,3 +130,17 @@ def test_rl_config_algos_are_the_registry():
     from stages.rl import Config
 
     assert set(typing.get_args(typing.get_type_hints(Config)["algo"])) == set(ALGO_RECIPES)
+
+
+def test_singleton_group_convention_ours_and_verls():
+    from rlhf_core.algos.advantages import keep_singleton_scores
+
+    scores, groups = torch.tensor([1.0, 0.0, 0.7]), torch.tensor([3, 3, 8])
+    for name in ("grpo", "dr_grpo", "rloo"):
+        centred = SCORE_BASELINES[name](scores, groups)
+        assert centred[2].item() == 0.0, name  # ours: a group of one has no baseline
+        kept = keep_singleton_scores(centred, scores, groups)
+        assert kept[2].item() == pytest.approx(0.7) and torch.equal(kept[:2], centred[:2]), name  # verl: the raw score
+    # an all-equal group stays 0 under both conventions (it is not a singleton)
+    same = torch.tensor([0.5, 0.5])
+    assert keep_singleton_scores(SCORE_BASELINES["grpo"](same, torch.tensor([1, 1])), same, torch.tensor([1, 1])).tolist() == [0.0, 0.0]
