@@ -137,7 +137,8 @@ class Config(TrainConfig):
     truncated IS per token (tis) or sequence (seq_tis), masked IS (icepop, seq_mask_tis), or pure
     rejection of tokens / sequences / geometric-mean outliers (token_rs, seq_rs, geo_rs)."""
     is_low: float = 0.5
-    """Lower bound of the kept ratio range (masking and rejection corrections)."""
+    """Lower bound of the kept ratio range (masking and rejection corrections; for geo_rs, whose
+    ratio is a per-token geometric mean, use bounds near 1 such as 0.999 / 1.001)."""
     is_high: float = 2.0
     """Truncation threshold (tis, seq_tis) and upper bound of the kept range (the others)."""
     is_batch_normalize: bool = False
