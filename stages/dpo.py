@@ -25,6 +25,10 @@ class Config(TrainConfig):
     model_path: str | None = "artifacts/sft/model"
     train_data: str = "data/prefs.jsonl"
     eval_data: str = "data/eval.jsonl"
+    eval_pairs: str | None = "data/eval_prefs.jsonl"
+    """Held-out preference pairs: each pair's implicit rewards beta (log pi - log ref) at the end go
+    to `eval_pair_rewards.jsonl`, and `eval/rewards_accuracy` / `eval/rewards_margin` to the
+    metrics.  None, or a file that does not exist, skips it."""
     output_dir: str = "artifacts/dpo"
     max_steps: int = 100
     save_steps: int = 50
@@ -79,7 +83,10 @@ def build_spec(cfg: Config, out_dir: Path):
     pairs = common.load_pairs(cfg.train_data, cfg, tokenizer, fmt, out_dir / "rejects", "train")
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [fmt(r) for r in eval_rows]
+    held_out = (common.load_pairs(cfg.eval_pairs, cfg, tokenizer, fmt, out_dir / "rejects", "eval_pairs")
+                if cfg.eval_pairs and Path(cfg.eval_pairs).exists() else [])
     collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected"))
+    plain = common.CollatePairs(tokenizer.pad_token_id)
     fingerprint = common.data_fingerprint(cfg)
     cache = out_dir / "checkpoints" / "reference_logps.json"
 
@@ -90,12 +97,26 @@ def build_spec(cfg: Config, out_dir: Path):
         if cached.get("key") == key:
             values = cached["logps"]
         else:
-            plain = common.CollatePairs(tokenizer.pad_token_id)
             values = group.call_rank0("evaluate", common.batches(plain, pairs, cfg.eval_batch_size), ref_logps_fn)
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps({"key": key, "logps": values}))
         for pair, (c, r) in zip(pairs, values):
             pair["ref_chosen"], pair["ref_rejected"] = c, r
+        # the held-out pairs' reference too: these are the starting weights on every run, resumed or not
+        for pair, (c, r) in zip(held_out, group.call_rank0("evaluate", common.batches(plain, held_out, cfg.eval_batch_size), ref_logps_fn)):
+            pair["ref_chosen"], pair["ref_rejected"] = c, r
+
+    def held_out_rewards(group) -> tuple[list[dict], dict]:
+        """Per held-out pair: implicit rewards beta (log pi - log ref) of chosen and rejected, with
+        the decoded texts; and their accuracy / mean margin."""
+        if not held_out:
+            return [], {}
+        logps = group.call_rank0("evaluate", common.batches(plain, held_out, cfg.eval_batch_size), ref_logps_fn)
+        rows = [{"pair": i, "chosen": tokenizer.decode(p["chosen"]["input_ids"]), "rejected": tokenizer.decode(p["rejected"]["input_ids"]),
+                 "chosen_reward": cfg.beta * (c - p["ref_chosen"]), "rejected_reward": cfg.beta * (r - p["ref_rejected"])}
+                for i, (p, (c, r)) in enumerate(zip(held_out, logps))]
+        margins = [row["chosen_reward"] - row["rejected_reward"] for row in rows]
+        return rows, {"eval/rewards_accuracy": sum(m > 0 for m in margins) / len(rows), "eval/rewards_margin": sum(margins) / len(rows)}
 
     def evaluate(group) -> dict:
         return common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
@@ -104,18 +125,22 @@ def build_spec(cfg: Config, out_dir: Path):
                      loss_fn=partial(loss_fn, beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, nll_coef=cfg.nll_coef),
                      counts=common.count_pairs, evaluate=evaluate, data_fingerprint=fingerprint,
                      pad_token_id=tokenizer.pad_token_id, before_train=compute_reference)
-    return spec, tokenizer
+    return spec, tokenizer, held_out_rewards
 
 
 def run(cfg: Config) -> dict:
     out_dir = Path(cfg.output_dir)
-    spec, tokenizer = build_spec(cfg, out_dir)
+    spec, tokenizer, held_out_rewards = build_spec(cfg, out_dir)
     group, metrics = train(spec, cfg, out_dir)
     # the last step's preference statistics (implicit rewards beta * (pi - ref))
     last = json.loads((out_dir / "train_history.jsonl").read_text().splitlines()[-1])
     metrics.update({k: v for k, v in last.items() if k.startswith("rewards/")})
+    rows, held_out_metrics = held_out_rewards(group)
+    metrics.update(held_out_metrics)
+    if rows:
+        (out_dir / "eval_pair_rewards.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     save_final_model(group, out_dir, tokenizer, common.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
-    common.finish(out_dir, "dpo", cfg, metrics)
+    common.finish(out_dir, "dpo", cfg, metrics, extra_inputs=(cfg.eval_pairs,) if rows else ())
     return metrics
 
 

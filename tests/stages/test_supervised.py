@@ -148,6 +148,13 @@ def test_dpo_stage(dpo_artifact, sft_reference):
     assert metrics["eval/accuracy_init"] == json.loads((sft_reference / "metrics.json").read_text())["eval/accuracy"]
     cache = json.loads((out / "checkpoints" / "reference_logps.json").read_text())
     assert len(cache["logps"]) == 400
+    # per held-out pair implicit rewards beta (log pi - log ref): one row per pair, the metrics summarise them
+    rows = [json.loads(line) for line in (out / "eval_pair_rewards.jsonl").read_text().splitlines()]
+    held_out = (out.parent.parent / "data" / "eval_prefs.jsonl").read_text().splitlines()
+    assert len(rows) == len(held_out) > 0 and rows[0]["chosen"].startswith(rows[0]["rejected"][:6])
+    assert any(r["chosen_reward"] != 0.0 for r in rows)  # 4 steps moved the policy away from its reference
+    assert metrics["eval/rewards_accuracy"] == sum(r["chosen_reward"] > r["rejected_reward"] for r in rows) / len(rows)
+    assert "eval_pair_rewards.jsonl" in json.loads((out / "manifest.json").read_text())["files"]
     assert verify_manifest(out) == []
 
 
