@@ -35,7 +35,7 @@ class Config(TrainConfig):
     lr: float = 2e-4
     warmup_steps: int = 5
     beta: float = 0.1
-    loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "ipo_norm", "sigmoid_norm"] = "sigmoid"
+    loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "ipo_norm", "sigmoid_norm", "kto_pair"] = "sigmoid"
     """The DPO-family loss (`rlhf_core/algos/losses.py:dpo_loss`, docs/algorithms.md)."""
     label_smoothing: float = 0.0
     """Label noise: cDPO's smoothing (cdpo, sigmoid, sigmoid_norm) or robust DPO's flip rate (< 0.5)."""

@@ -329,8 +329,21 @@ def _dpo_ipo(h: Tensor, beta: float, label_smoothing: float) -> Tensor:
     return (h - 1.0 / (2.0 * beta)).square()
 
 
+def kto_pair_losses(chosen_ratio: Tensor, rejected_ratio: Tensor, beta: float) -> Tensor:
+    """KTO on paired data (Ethayarajh et al. 2024, eq. 8; the HALOs code's and TRL's former
+    `kto_pair`), per pair `(B,)`: chosen answers are desirable, rejected ones undesirable, and each
+    half's reference point z is the batch-mean log-ratio of the *other* half, clamped at 0 and
+    detached (the paper's KL estimate, not differentiated):
+      0.5 * [(1 - sigmoid(beta (r_c - z_r))) + (1 - sigmoid(beta (z_c - r_r)))]
+    (the mean over the 2B responses, as TRL averages them).  Example: all ratios 0 -> 0.5."""
+    z_chosen = chosen_ratio.detach().mean().clamp(min=0)
+    z_rejected = rejected_ratio.detach().mean().clamp(min=0)
+    return 0.5 * ((1 - torch.sigmoid(beta * (chosen_ratio - z_rejected))) + (1 - torch.sigmoid(beta * (z_chosen - rejected_ratio))))
+
+
 DPO_LOSSES = {"sigmoid": _dpo_sigmoid, "cdpo": _dpo_sigmoid, "robust": _dpo_robust, "hinge": _dpo_hinge, "ipo": _dpo_ipo,
-              "ipo_norm": _dpo_ipo, "sigmoid_norm": _dpo_sigmoid}
+              "ipo_norm": _dpo_ipo, "sigmoid_norm": _dpo_sigmoid, "kto_pair": None}
+"""h -> per-pair loss; `kto_pair` needs both halves' log-ratios (`kto_pair_losses`)."""
 LENGTH_NORMALISED = {"ipo_norm", "sigmoid_norm"}
 """Loss types whose h is built from per-token mean log-ratios (each response's summed log-ratio
 divided by its length) instead of sums."""
@@ -364,6 +377,7 @@ def dpo_loss(
       ipo_norm      IPO as TRL computes it (mean log-probs)
       sigmoid_norm  DPO on mean log-ratios (TRL `sigmoid_norm`, SimPO's length normalisation
                     with the reference kept); label smoothing applies as for sigmoid
+    kto_pair (Ethayarajh et al. 2024, KTO on paired data): see `kto_pair_losses`
     Optional NLL term (RPO, Pang et al. 2024): + nll_coef * chosen_nll, chosen_nll `(B,)` the
     per-token mean NLL of the chosen response.  Returns (mean loss, stats) with implicit
     rewards beta (pi - ref) for chosen/rejected (batch means; summed log-ratios for every type),
@@ -382,7 +396,7 @@ def dpo_loss(
         h = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
     else:
         h = chosen_ratio - rejected_ratio
-    losses = DPO_LOSSES[loss_type](h, beta, label_smoothing)
+    losses = kto_pair_losses(chosen_ratio, rejected_ratio, beta) if loss_type == "kto_pair" else DPO_LOSSES[loss_type](h, beta, label_smoothing)
     if chosen_nll is not None and nll_coef:
         losses = losses + nll_coef * chosen_nll
     with torch.no_grad():

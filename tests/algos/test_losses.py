@@ -243,6 +243,22 @@ def test_dpo_robust_hinge_and_length_normalised_by_hand():
     assert loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(1.5)).item())
     with pytest.raises(ValueError, match="lengths"):
         dpo_loss(pc, pr, rc, rr, loss_type="sigmoid_norm")
+    # kto_pair: ratios chosen (1, 3), rejected (-1, 1): z_c = mean(1, 3) = 2, z_r = max(0, mean(-1, 1)) = 0;
+    # pair 1: 0.5 [(1 - s(0.5 (1 - 0))) + (1 - s(0.5 (2 + 1)))], pair 2: 0.5 [(1 - s(1.5)) + (1 - s(0.5))]
+    s_ = torch.sigmoid
+    pc2, pr2 = torch.tensor([-1.0, 1.0]), torch.tensor([-3.0, -1.0])
+    rc2, rr2 = torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0])
+    loss, _ = dpo_loss(pc2, pr2, rc2, rr2, beta=0.5, loss_type="kto_pair")
+    pair1 = 0.5 * ((1 - s_(torch.tensor(0.5))) + (1 - s_(torch.tensor(1.5))))
+    pair2 = 0.5 * ((1 - s_(torch.tensor(1.5))) + (1 - s_(torch.tensor(0.5))))
+    assert loss.item() == pytest.approx(((pair1 + pair2) / 2).item())
+    z = torch.zeros(3)
+    assert dpo_loss(z, z, z, z, loss_type="kto_pair")[0].item() == pytest.approx(0.5)
+    # the reference points carry no gradient: a chosen answer's gradient comes from its own term only
+    p = torch.tensor([-1.0, 1.0], requires_grad=True)
+    dpo_loss(p, pr2, rc2, rr2, beta=0.5, loss_type="kto_pair")[0].backward()
+    expected = -0.5 * 0.5 * s_(torch.tensor([0.5, 1.5])) * (1 - s_(torch.tensor([0.5, 1.5]))) / 2
+    assert p.grad.tolist() == pytest.approx(expected.tolist())
     # gradients: hinge is flat beyond the margin, sigmoid is not
     p = torch.tensor([-1.0], requires_grad=True)
     dpo_loss(p, pr, rc, rr, beta=0.5, loss_type="hinge")[0].backward()
