@@ -193,7 +193,7 @@ def _inspection_commands(sub) -> None:
     data = sub.add_parser("data", help="inspect data").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("check", help="validate a JSONL/Parquet/HF-datasets file; write rejects with reasons")
     p.add_argument("path")
-    p.add_argument("--kind", required=True, choices=["sft", "pref", "rl"],
+    p.add_argument("--kind", required=True, choices=["sft", "pref", "rl", "unpaired"],
                    help="sft: prompt,response; pref: prompt,chosen,rejected; rl: prompt,label")
     p.add_argument("--rejects", help="rejects file (default: PATH.rejects.jsonl)")
     p.add_argument("--max-chars", type=int, default=4096)

@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-from rlhf_core.algos.losses import dpo_loss, token_logprobs
+from rlhf_core.algos.losses import dpo_loss, kto_loss, token_logprobs
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
@@ -35,8 +35,13 @@ class Config(TrainConfig):
     lr: float = 2e-4
     warmup_steps: int = 5
     beta: float = 0.1
-    loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "ipo_norm", "sigmoid_norm", "kto_pair"] = "sigmoid"
-    """The DPO-family loss (`rlhf_core/algos/losses.py:dpo_loss`, docs/algorithms.md)."""
+    loss_type: Literal["sigmoid", "cdpo", "robust", "hinge", "ipo", "ipo_norm", "sigmoid_norm", "kto_pair", "kto"] = "sigmoid"
+    """The DPO-family loss (`rlhf_core/algos/losses.py:dpo_loss`, docs/algorithms.md).  `kto` trains
+    on unpaired rows instead (`prompt, completion, label` with label true = desirable; `kto_loss`)."""
+    desirable_weight: float = 1.0
+    """KTO's weight of desirable completions (lambda_D)."""
+    undesirable_weight: float = 1.0
+    """KTO's weight of undesirable completions (lambda_U)."""
     label_smoothing: float = 0.0
     """Label noise: cDPO's smoothing (cdpo, sigmoid, sigmoid_norm) or robust DPO's flip rate (< 0.5)."""
     nll_coef: float = 1.0
@@ -61,9 +66,17 @@ def sequence_logps(model, batch):
     return (logprobs * mask).sum(-1), mask.sum(-1)
 
 
-def loss_fn(model, batch, counts, beta: float, loss_type: str, label_smoothing: float, nll_coef: float):
+def loss_fn(model, batch, counts, beta: float, loss_type: str, label_smoothing: float, nll_coef: float,
+            desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
     logps, lengths = sequence_logps(model, batch)
     b = logps.shape[0] // 2
+    if loss_type == "kto":  # the "pairs" are (completion, mismatched completion for the KL estimate)
+        loss, stats = kto_loss(logps[:b], batch["ref_chosen"], logps[b:], batch["ref_rejected"], batch["desirable"], beta=beta,
+                               desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+        if nll_coef:  # RPO's NLL term, on the desirable completions only
+            nll = -logps[:b] / lengths[:b].clamp(min=1)
+            loss = loss + nll_coef * (nll * batch["desirable"]).mean()
+        return loss * b / counts["num_pairs"], stats
     loss, stats = dpo_loss(logps[:b], logps[b:], batch["ref_chosen"], batch["ref_rejected"], beta=beta, loss_type=loss_type,
                            label_smoothing=label_smoothing, chosen_nll=-logps[:b] / lengths[:b].clamp(min=1), nll_coef=nll_coef,
                            chosen_lengths=lengths[:b], rejected_lengths=lengths[b:])
@@ -77,15 +90,41 @@ def ref_logps_fn(model, batch):
 # --- driver ---------------------------------------------------------------------------------
 
 
+def load_unpaired(cfg: Config, tokenizer, fmt, rejects_dir: Path) -> list[dict]:
+    """KTO rows as the pair layout the workers batch: `chosen` = prompt_i + completion_i,
+    `rejected` = prompt_i + completion_{i+1} (a mismatched completion, for KTO's KL reference
+    point; fixed at load, so resumes see the same), `desirable` = the label as 1.0 / 0.0."""
+    from rlhf_core.data.tokenize import prompt_response
+
+    rows = common.load_data(cfg.train_data, "unpaired", cfg, rejects_dir / "train.jsonl")
+    if len(rows) < 2:
+        raise ValueError(f"dpo.loss_type=kto needs at least 2 rows in {cfg.train_data} "
+                         "(the KL estimate pairs each prompt with another row's completion)")
+
+    def example(row: dict) -> dict:
+        i = row["row_index_"]
+        prompt, other = fmt(rows[i]), rows[(i + 1) % len(rows)]["completion"]
+        real = prompt_response(tokenizer, prompt, rows[i]["completion"], cfg.max_len)
+        mismatched = prompt_response(tokenizer, prompt, other, cfg.max_len)
+        return {"chosen": real, "rejected": mismatched, "desirable": float(rows[i]["label"]),
+                "num_tokens": len(real["input_ids"]) + len(mismatched["input_ids"])}
+
+    examples, too_long = common.tokenize_rows([{"row_index_": i, "id": r.get("id")} for i, r in enumerate(rows)], example, cfg.max_len)
+    common.check_too_long(too_long, len(rows), cfg, rejects_dir / "train_too_long.jsonl")
+    return examples
+
+
 def build_spec(cfg: Config, out_dir: Path):
     tokenizer = common.load_tokenizer(cfg)
     fmt = common.prompt_formatter(tokenizer, False)
-    pairs = common.load_pairs(cfg.train_data, cfg, tokenizer, fmt, out_dir / "rejects", "train")
+    kto = cfg.loss_type == "kto"
+    pairs = load_unpaired(cfg, tokenizer, fmt, out_dir / "rejects") if kto else common.load_pairs(cfg.train_data, cfg, tokenizer, fmt,
+                                                                                                  out_dir / "rejects", "train")
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [fmt(r) for r in eval_rows]
     held_out = (common.load_pairs(cfg.eval_pairs, cfg, tokenizer, fmt, out_dir / "rejects", "eval_pairs")
                 if cfg.eval_pairs and Path(cfg.eval_pairs).exists() else [])
-    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected"))
+    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected") + (("desirable",) if kto else ()))
     plain = common.CollatePairs(tokenizer.pad_token_id)
     fingerprint = common.data_fingerprint(cfg)
     cache = out_dir / "checkpoints" / "reference_logps.json"
@@ -122,7 +161,8 @@ def build_spec(cfg: Config, out_dir: Path):
         return common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
 
     spec = StageSpec(name="dpo", model_path=cfg.model_path, model_kind="causal_lm", examples=pairs, collate=collate,
-                     loss_fn=partial(loss_fn, beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, nll_coef=cfg.nll_coef),
+                     loss_fn=partial(loss_fn, beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, nll_coef=cfg.nll_coef,
+                                     desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight),
                      counts=common.count_pairs, evaluate=evaluate, data_fingerprint=fingerprint,
                      pad_token_id=tokenizer.pad_token_id, before_train=compute_reference)
     return spec, tokenizer, held_out_rewards

@@ -349,6 +349,32 @@ LENGTH_NORMALISED = {"ipo_norm", "sigmoid_norm"}
 divided by its length) instead of sums."""
 
 
+def kto_loss(policy_logps: Tensor, ref_logps: Tensor, kl_policy_logps: Tensor, kl_ref_logps: Tensor, desirable: Tensor,
+             beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+    """KTO (Ethayarajh et al. 2024, eq. 8) on unpaired completions, all `(B,)` summed log-probs.
+
+    r = log pi(y|x) - log ref(y|x); the reference point z is the mean log-ratio of *mismatched*
+    completions (prompt x_i with another row's completion), clamped at 0 and detached (TRL's KL
+    estimate; here over the micro-batch):
+      desirable:    w_D (1 - sigmoid(beta (r - z)))
+      undesirable:  w_U (1 - sigmoid(beta (z - r)))
+    averaged over the batch.  Returns (loss, stats) with the implicit rewards beta r of each side
+    and z.  Example: r = z = 0 -> every term 0.5.
+    """
+    ratio = policy_logps - ref_logps
+    z = (kl_policy_logps - kl_ref_logps).detach().mean().clamp(min=0)
+    good = desirable.bool()
+    losses = torch.where(good, desirable_weight * (1 - torch.sigmoid(beta * (ratio - z))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z - ratio))))
+    with torch.no_grad():
+        rewards = beta * ratio
+        zero = rewards.new_tensor(0.0)
+        stats = {"rewards/chosen": rewards[good].mean() if good.any() else zero,
+                 "rewards/rejected": rewards[~good].mean() if (~good).any() else zero,
+                 "kto/kl": z, "kto/desirable_frac": good.float().mean()}
+    return losses.mean(), stats
+
+
 def dpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label"), "text": ("text",)}
+SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label"), "text": ("text",),
+           "unpaired": ("prompt", "completion")}
+"""Text columns per data kind; `unpaired` (KTO) also needs a boolean `label` (true: desirable)."""
 
 
 class DataError(ValueError):
@@ -120,6 +122,8 @@ def validate_row(row: dict, kind: str, max_chars: int) -> str | None:
             return problem
     if kind == "pref" and row["chosen"] == row["rejected"]:
         return "chosen == rejected (no preference to learn)"
+    if kind == "unpaired" and not isinstance(row.get("label"), bool):
+        return f"'label' must be true (desirable) or false (undesirable), got {row.get('label')!r}"
     return None
 
 

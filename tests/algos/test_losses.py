@@ -12,6 +12,7 @@ from rlhf_core.algos.losses import (
     entropy_bonus,
     entropy_from_logits,
     gspo_policy_loss,
+    kto_loss,
     ppo_policy_loss,
     rm_centering_loss,
     rm_logexp_loss,
@@ -272,7 +273,7 @@ def test_dpo_stage_config_offers_every_loss_and_checks_robust_flip_rate():
     from rlhf_core.config import ConfigError, load_config
     from stages import dpo
 
-    assert set(get_args(get_type_hints(dpo.Config)["loss_type"])) == set(DPO_LOSSES)
+    assert set(get_args(get_type_hints(dpo.Config)["loss_type"])) == set(DPO_LOSSES) | {"kto"}  # kto: unpaired rows, kto_loss
     assert load_config(dpo.Config, "dpo", Path("none.yaml"), ["dpo.loss_type=hinge"]).loss_type == "hinge"
     with pytest.raises(ConfigError, match="label_smoothing < 0.5"):
         load_config(dpo.Config, "dpo", Path("none.yaml"), ["dpo.loss_type=robust", "dpo.label_smoothing=0.5"])
@@ -295,3 +296,22 @@ def test_ppo_kl_and_value_clipfrac_statistics():
     assert vstats["vf_clipfrac"].item() == pytest.approx(0.5)
     _, vstats = value_loss(values, old_v, returns, mask, clip=None)
     assert vstats["vf_clipfrac"].item() == 0.0
+
+
+def test_kto_on_unpaired_completions_by_hand():
+    # ratios r = (1, -1, 2); mismatched ratios (0.5, 1.5, -0.5) -> z = mean 0.5 (>= 0), detached
+    pol, ref = torch.tensor([0.0, -2.0, 1.0], requires_grad=True), torch.tensor([-1.0, -1.0, -1.0])
+    kl_pol, kl_ref = torch.tensor([0.5, 1.5, -0.5]), torch.zeros(3)
+    desirable = torch.tensor([1.0, 0.0, 1.0])
+    loss, stats = kto_loss(pol, ref, kl_pol, kl_ref, desirable, beta=2.0, desirable_weight=1.0, undesirable_weight=3.0)
+    s_ = torch.sigmoid
+    terms = [1 - s_(torch.tensor(2.0 * (1 - 0.5))), 3.0 * (1 - s_(torch.tensor(2.0 * (0.5 + 1)))), 1 - s_(torch.tensor(2.0 * (2 - 0.5)))]
+    assert loss.item() == pytest.approx(sum(t.item() for t in terms) / 3)
+    assert stats["kto/kl"].item() == pytest.approx(0.5)
+    assert stats["rewards/chosen"].item() == pytest.approx(2.0 * 1.5) and stats["rewards/rejected"].item() == pytest.approx(-2.0)
+    # a negative mismatched mean clamps z at 0
+    _, stats = kto_loss(pol, ref, -kl_pol, kl_ref, desirable)
+    assert stats["kto/kl"].item() == 0.0
+    # desirable completions are pushed up, undesirable ones down
+    loss.backward()
+    assert pol.grad[0] < 0 and pol.grad[2] < 0 and pol.grad[1] > 0

@@ -189,6 +189,29 @@ def test_dpo_sigkill_at_an_epoch_boundary_then_resume_is_bit_identical(project, 
 
 
 @pytest.mark.xdist_group("sft_later")
+def test_kto_on_unpaired_rows_through_the_dpo_stage(project, ray_head, sft_reference):
+    """dpo.loss_type=kto on `prompt, completion, label` rows (each preference pair split into a
+    desirable and an undesirable completion, as users convert paired data); a bad label is rejected
+    with its reason."""
+    rows = [json.loads(line) for line in (project / "data" / "prefs.jsonl").read_text().splitlines()[:16]]
+    unpaired = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"} for r in rows for side in ("chosen", "rejected")]
+    unpaired.append({"prompt": rows[0]["prompt"], "completion": "x", "label": "yes"})  # 1 of 33 rejected: under the 5% limit
+    path = project / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in unpaired))
+    proc = run_stage(project, ray_head, "dpo", "--set", f"dpo.train_data={path}", "--set", "dpo.loss_type=kto", "--set", "dpo.max_steps=3",
+                     "--set", "dpo.save_steps=3", "--set", "dpo.global_batch_size=16", "--set", "dpo.eval_max_new_tokens=2",
+                     "--set", "dpo.output_dir=artifacts/dpo_kto")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = project / "artifacts" / "dpo_kto"
+    hist = history(out)
+    assert len(hist) == 3 and all("kto/kl" in h and "rewards/chosen" in h for h in hist)
+    assert hist[0]["kto/desirable_frac"] == pytest.approx(0.5, abs=0.2)
+    rejects = (out / "rejects" / "train.jsonl").read_text()
+    assert "'label' must be true (desirable) or false (undesirable)" in rejects
+    assert verify_manifest(out) == []
+
+
+@pytest.mark.xdist_group("sft_later")
 def test_lineage_show_and_verify_chain(project, dpo_artifact):
     """dpo <- sft <- base <- data: the tree prints, verifies, and a flipped byte anywhere fails it."""
     shown = rlhf("lineage", "show", "artifacts/dpo/model", cwd=project)
