@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import signal
 import subprocess
@@ -79,13 +80,46 @@ def _key(stage: str) -> str:
     return stage.replace("@", "-").replace("_", "-").lower()
 
 
+CURVES = ("train/loss", "train/reward_gold", "train/reward_proxy", "rl/kl", "rl/response_length")
+"""History tags drawn in each stage's summary artifact, where the stage logs them (rl: gold vs
+proxy reward, the over-optimisation pair)."""
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """A one-line chart: `values` averaged into at most `width` buckets, each drawn as one of 8
+    block heights between the series' min and max.  Example: [0, 1, 2, 3] -> '▁▃▆█'."""
+    if not values:
+        return ""
+    n = min(width, len(values))
+    buckets = [values[i * len(values) // n:(i + 1) * len(values) // n] for i in range(n)]
+    means = [sum(b) / len(b) for b in buckets]
+    lo, hi = min(means), max(means)
+    span = (hi - lo) or 1.0
+    return "".join(SPARKS[min(7, int((m - lo) / span * 7 + 0.5))] for m in means)
+
+
+def _curves(out: Path) -> str:
+    """Markdown rows `tag | first -> last | sparkline` from the stage's train_history.jsonl."""
+    history = out / "train_history.jsonl"
+    if not history.exists():
+        return ""
+    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+    lines = []
+    for tag in CURVES:
+        values = [r[tag] for r in rows if isinstance(r.get(tag), (int, float)) and math.isfinite(r[tag])]
+        if values:
+            lines.append(f"| `{tag}` | {values[0]:.4g} → {values[-1]:.4g} | `{sparkline(values)}` |")
+    return ("\n## curves (per step)\n\n| tag | first → last | curve |\n|---|---|---|\n" + "\n".join(lines) + "\n") if lines else ""
+
+
 def _summary(stage: str, repo: Path, status: str) -> str:
     out = repo / "artifacts" / ("base" if stage == "prepare" else stage)
     metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
     rows = "\n".join(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |" for k, v in sorted(metrics.items()))
     manifest = out / "manifest.json"
     return (f"# stage `{stage}`: {status}\n\nmanifest: [`{manifest}`](file://{manifest.resolve()})\n\n"
-            f"| metric | value |\n|---|---|\n{rows or '| (none) | |'}\n")
+            f"| metric | value |\n|---|---|\n{rows or '| (none) | |'}\n{_curves(out)}")
 
 
 @task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")

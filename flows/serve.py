@@ -3,8 +3,10 @@
   alignment-pipeline/full      on demand:  prefect deployment run 'alignment-pipeline/full' --watch
   alignment-pipeline/nightly   cron (default `0 2 * * *`), at most one run at a time
 
-With PREFECT_API_URL already set (your own server or Prefect Cloud) no server is started; the
-deployments are served against that API.  The server has no authentication: keep it on
+The Prefect UI is served beside the API: open http://127.0.0.1:4200 to watch the pipeline's flow
+runs, a task run per stage with its state and retries, and each stage's artifacts (summary,
+metrics table, manifest).  With PREFECT_API_URL already set (your own server or Prefect Cloud) no
+server is started; the deployments are served against that API.  The server has no authentication: keep it on
 127.0.0.1, or set PREFECT_SERVER_API_AUTH_STRING (basic auth) before binding elsewhere.
 """
 from __future__ import annotations
@@ -35,17 +37,19 @@ def deployments(repo: str, cron: str = "0 2 * * *"):
 
 class LocalPrefectServer:
     """`prefect server start` in its own process group, on 127.0.0.1, with its SQLite database
-    under `home` (default: the project's .prefect/)."""
+    under `home` (default: the project's .prefect/), with its UI at `ui_url` (`ui=False`: API only)."""
 
-    def __init__(self, home: Path, port: int = 4200, host: str = "127.0.0.1"):
-        self.home, self.port, self.host = home, port, host
+    def __init__(self, home: Path, port: int = 4200, host: str = "127.0.0.1", ui: bool = True):
+        self.home, self.port, self.host, self.ui = home, port, host, ui
         self.url = f"http://{host}:{port}/api"
+        self.ui_url = f"http://{host}:{port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120.0) -> "LocalPrefectServer":
         self.home.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-               "PREFECT_SERVER_API_HOST": self.host, "PREFECT_SERVER_API_PORT": str(self.port), "PREFECT_UI_ENABLED": "false"}
+               "PREFECT_SERVER_API_HOST": self.host, "PREFECT_SERVER_API_PORT": str(self.port), "PREFECT_UI_ENABLED": "true" if self.ui else "false",
+               "PREFECT_UI_API_URL": self.url}
         env.pop("PREFECT_API_URL", None)
         logf = open(self.home / "server.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", self.host, "--port", str(self.port)],
@@ -81,8 +85,8 @@ def serve(repo: str, port: int = 4200, cron: str = "0 2 * * *") -> None:
     if not os.environ.get("PREFECT_API_URL"):
         server = LocalPrefectServer(Path(repo) / ".prefect", port).start()
         os.environ["PREFECT_API_URL"] = server.url
-        print(f"Prefect API: {server.url}\n  export PREFECT_API_URL={server.url}\n"
-              f"  prefect deployment run 'alignment-pipeline/full' --watch", flush=True)
+        print(f"Prefect UI:  {server.ui_url}  (flow runs, a task per stage, artifacts)\nPrefect API: {server.url}\n"
+              f"  export PREFECT_API_URL={server.url}\n  prefect deployment run 'alignment-pipeline/full' --watch", flush=True)
     try:
         from prefect import serve as prefect_serve
 

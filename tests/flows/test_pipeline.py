@@ -97,6 +97,12 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
             return p.returncode == 0 and "alignment-pipeline/full" in p.stdout and "alignment-pipeline/nightly" in p.stdout
 
         wait_for(deployed, 180, "deployments registered")
+        # the Prefect UI is served beside the API, and `rlhf serve` says where
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as page:
+            assert page.status == 200 and "<!DOCTYPE html>" in page.read(4000).decode()
+        assert f"Prefect UI:  http://127.0.0.1:{port}" in (root / "serve.log").read_text()
         run = sh(sys.executable, "-m", "prefect", "deployment", "run", "alignment-pipeline/full", "--watch", cwd=root, env={**env, **api},
                  timeout=840)
         log = (root / "serve.log").read_text()
