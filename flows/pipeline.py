@@ -26,6 +26,7 @@ from prefect.runtime import flow_run, task_run
 from prefect.states import Completed, State
 
 from flows import promotion
+from flows.report import CURVES
 from rlhf_core import registry
 
 
@@ -80,9 +81,6 @@ def _key(stage: str) -> str:
     return stage.replace("@", "-").replace("_", "-").lower()
 
 
-CURVES = ("train/loss", "train/reward_gold", "train/reward_proxy", "rl/kl", "rl/response_length")
-"""History tags drawn in each stage's summary artifact, where the stage logs them (rl: gold vs
-proxy reward, the over-optimisation pair)."""
 SPARKS = "▁▂▃▄▅▆▇█"
 
 

@@ -4,6 +4,7 @@
   rlhf stage run STAGE [--set k=v ...]    one stage as a Ray job (RAY_ADDRESS, or an embedded local head);
                                           --detach: submit to RAY_ADDRESS and exit
   rlhf pipeline run [--stages ...]        the Prefect flow over the DVC DAG (unchanged stages skipped)
+  rlhf pipeline report [--out FILE]       a static HTML page: stages, metrics, curves, champion lineage
   rlhf serve [--port 4200]                local Prefect server + deployments (full, nightly cron)
   rlhf rollouts show PATH                 summary of RL rollout Parquet
   rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1 (for rl.reward_url)
@@ -129,6 +130,14 @@ def cmd_pipeline_run(args) -> int:
     return 0
 
 
+def cmd_pipeline_report(args) -> int:
+    from flows.report import write
+
+    path = write(args.repo, args.out)
+    print(f"wrote {path} (open it in a browser)")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from flows.serve import serve
 
@@ -235,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-push", action="store_true", help="do not push outputs to the DVC remote")
     p.add_argument("--retries", type=int, default=1, help="retries per stage for transient failures (default 1)")
     p.set_defaults(func=cmd_pipeline_run)
+    p = pipeline.add_parser("report", help="one static HTML page: the stage DAG with each stage's state, headline metrics and curves, "
+                                           "and the champion's lineage")
+    p.add_argument("--repo", default=".", help="project directory (default: .)")
+    p.add_argument("--out", help="HTML file to write (default: REPO/reports/pipeline.html)")
+    p.set_defaults(func=cmd_pipeline_report)
 
     p = sub.add_parser("serve", help="local Prefect server (127.0.0.1, SQLite) + deployments alignment-pipeline/full and /nightly")
     p.add_argument("--repo", default=".")

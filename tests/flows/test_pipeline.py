@@ -158,6 +158,18 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
     assert [d["decision"] for d in decisions][:2] == ["promoted", "unchanged"] and decisions[-1]["decision"] == "refused"
     assert "champion kept" in decisions[-1]["reason"]
 
+    # the static report: every stage of the DAG trained, a chart per logged curve, the champion's lineage
+    report = rlhf("pipeline", "report", "--repo", str(root), cwd=root, env=env)
+    assert report.returncode == 0, report.stderr
+    page = (root / "reports" / "pipeline.html").read_text()
+    assert page.count(">trained<") == 7 and "not run" not in page
+    curves = [st for st in ("pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr")
+              if len((root / "artifacts" / st / "train_history.jsonl").read_text().splitlines()) >= 2]
+    assert curves and page.count("<svg") >= len(curves)
+    lineage = page[page.index("<h3>lineage</h3>"):]
+    source = json.loads((root / "artifacts" / "champion" / "champion.json").read_text())["source"].split("/")[-1].split("@")[0]
+    assert f"[{source}]" in lineage and "[sft]" in lineage and "lineage unavailable" not in lineage, lineage[:2000]
+
     # a failing stage fails the run and the command
     bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", "--set", "rl.reward_file=missing_reward.py", "--retries", "0",
                cwd=root, env=flow)
@@ -166,6 +178,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
     # lineage of the promoted chain verifies against dvc.lock
     ok = rlhf("lineage", "verify", "artifacts/dpo/model", cwd=root, env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
 
     # no secret from the environment in any artifact, manifest, model card, log or rollout
     leaked = [p for p in (root / "artifacts").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]

@@ -30,3 +30,28 @@ def test_summary_draws_the_rl_curves_it_finds(tmp_path):
     # a stage without history (prepare) has the table only
     (out / "train_history.jsonl").unlink()
     assert "curves" not in _summary("rl@rlhf", tmp_path, "ran")
+
+
+def test_pipeline_report_lists_the_dag_with_states_metrics_and_one_chart_per_curve(tmp_path):
+    from flows.report import build, svg_chart
+
+    (tmp_path / "params.yaml").write_text("rl_variants:\n  rlhf: {}\n  rlvr: {}\n")
+    sft = tmp_path / "artifacts" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "metrics.json").write_text(json.dumps({"eval/accuracy": 0.83, "eval/accuracy_init": 0.665, "train/loss": 0.2}))
+    (sft / "train_history.jsonl").write_text("".join(json.dumps({"step": i, "train/loss": 1.0 / i}) + "\n" for i in range(1, 6)))
+    rl = tmp_path / "artifacts" / "rl@rlhf"
+    rl.mkdir(parents=True)
+    (rl / "metrics.json").write_text(json.dumps({"eval/accuracy": 0.96}))
+    (rl / "train_history.jsonl").write_text("".join(json.dumps({"step": i, "train/loss": 0.1, "train/reward_gold": 0.5 + i / 100,
+                                                                 "train/reward_proxy": i / 10}) + "\n" for i in range(1, 4)))
+    page = build(tmp_path)
+    for stage in ("prepare", "pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr"):  # the whole DAG, in order
+        assert f'<section id="{stage}">' in page, stage
+    assert page.index('id="sft"') < page.index('id="rm"') < page.index('id="rl@rlvr"')
+    assert page.count("not run") == 5 and page.count(">trained<") == 2
+    assert "<td><code>eval/accuracy</code></td><td>0.665</td><td>0.83</td>" in page
+    assert page.count("<svg") == 1 + 3  # sft: loss; rl@rlhf: loss, gold and proxy reward
+    assert "none promoted yet" in page
+    # the chart scales into its box: a rising line goes from the bottom-left to the top-right
+    assert 'points="8.0,112.0 272.0,8.0"' in svg_chart([(1, 0.0), (2, 1.0)], "t")
