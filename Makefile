@@ -14,7 +14,7 @@ export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.dvc/tmp/site
 # stage commands in dvc.yaml call `rlhf` from the project environment
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup run test test-unit clean
+.PHONY: setup run test test-ui test-unit clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,14 @@ run: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+# the browser test: Debian's chromium + chromium-driver (apt, as root or with sudo) and selenium
+# into .venv; screenshots in build/ui-screenshots/.  `make test` skips it where they are absent.
+test-ui: setup
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get install -y -q chromium chromium-driver
+	$(BIN)/pip install -q selenium
+	$(BIN)/python -m pytest -n 0 -m ui tests/flows/test_pipeline.py
 
 test-unit: setup
 	$(BIN)/python -m pytest -m unit

@@ -297,3 +297,70 @@ def test_prefect_server_restarted_mid_run_then_the_run_completes(flow_env):
         server.stop()
     assert json.loads((root / "artifacts" / "sft" / "metrics.json").read_text())["train/steps"] == done + 16
     assert "COMPLETED" in runs.stdout and "RUNNING" not in runs.stdout, runs.stdout
+
+
+def _browser():
+    """Headless Chromium through Selenium, or a skip saying what is missing (`make test-ui` installs both)."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed: `make test-ui` installs it")
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("no chromium / chromedriver on PATH: `make test-ui` installs Debian's chromium and chromium-driver")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+@pytest.mark.ui
+@pytest.mark.xdist_group("flows_served")
+def test_the_prefect_ui_and_the_report_in_a_real_browser(flow_env):
+    """As a user looks: run a two-stage slice, open its flow run in the Prefect UI (both task runs
+    Completed), the artifacts page (each stage's summary), then the HTML report (one chart per
+    logged curve).  Screenshots go to build/ui-screenshots/ (or $RLHF_UI_SCREENSHOTS)."""
+    import re
+
+    from selenium.webdriver.common.by import By
+
+    driver = _browser()
+    root, env = flow_env
+    shots = Path(os.environ.get("RLHF_UI_SCREENSHOTS", REPO / "build" / "ui-screenshots"))
+    shots.mkdir(parents=True, exist_ok=True)
+    ui = env["PREFECT_API_URL"].removesuffix("/api")
+    try:
+        run = rlhf("pipeline", "run", "--repo", str(root), "--stages", "prepare,pretrain", "--no-promote", "--no-push", cwd=root, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        flow_run_id = re.search(r"/runs/flow-run/([0-9a-f-]{36})", run.stdout + run.stderr).group(1)
+
+        def page_text(url: str, needles: tuple[str, ...], shot: str) -> str:
+            driver.get(url)
+
+            def shown():  # the UI renders after load: poll until every needle is on the page
+                t = driver.find_element(By.TAG_NAME, "body").text
+                return t if all(n in t for n in needles) else None
+
+            text = wait_for(shown, 60, f"{needles} on {url}")
+            driver.save_screenshot(str(shots / f"{shot}.png"))
+            return text
+
+        page_text(f"{ui}/runs", ("alignment-pipeline", "Completed"), "runs")
+        page_text(f"{ui}/runs/flow-run/{flow_run_id}", ("alignment-pipeline", "Completed", "2 Task runs"), "flow_run")
+        driver.find_elements(By.XPATH, "//*[normalize-space(.)='Task Runs']")[-1].click()  # the tab listing the task runs (innermost)
+        tasks = wait_for(lambda: (lambda t: t if "Finished in state" not in t and t.count("Completed") >= 3 else None)(
+            driver.find_element(By.TAG_NAME, "body").text), 60, "the Task Runs tab")
+        driver.save_screenshot(str(shots / "task_runs.png"))
+        assert "(2 Completed)" in tasks and "prepare" in tasks and "pretrain" in tasks, tasks[:3000]
+        page_text(f"{ui}/artifacts", ("prepare-summary", "pretrain-summary"), "artifacts")
+
+        assert rlhf("pipeline", "report", "--repo", str(root), cwd=root, env=env).returncode == 0
+        driver.get((root / "reports" / "pipeline.html").as_uri())
+        charts = driver.find_elements(By.CSS_SELECTOR, "section#pretrain svg.chart")
+        rows = len((root / "artifacts" / "pretrain" / "train_history.jsonl").read_text().splitlines())
+        assert len(charts) == (1 if rows >= 2 else 0)  # pretrain logs train/loss only
+        assert driver.find_element(By.CSS_SELECTOR, "section#pretrain .state").text == "trained"
+        driver.save_screenshot(str(shots / "report.png"))
+    finally:
+        driver.quit()
