@@ -323,9 +323,9 @@ def test_the_prefect_ui_and_the_report_in_a_real_browser(flow_env):
     logged curve).  Screenshots go to build/ui-screenshots/ (or $RLHF_UI_SCREENSHOTS)."""
     import re
 
+    driver = _browser()  # first: it skips the test where selenium or the browser is missing
     from selenium.webdriver.common.by import By
 
-    driver = _browser()
     root, env = flow_env
     shots = Path(os.environ.get("RLHF_UI_SCREENSHOTS", REPO / "build" / "ui-screenshots"))
     shots.mkdir(parents=True, exist_ok=True)
