@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
+import logging
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -25,8 +26,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run, task_run
 from prefect.states import Completed, State
 
-from flows import promotion
-from flows.report import CURVES
+from flows import promotion, report
 from rlhf_core import registry
 
 
@@ -99,25 +99,53 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 def _curves(out: Path) -> str:
     """Markdown rows `tag | first -> last | sparkline` from the stage's train_history.jsonl."""
-    history = out / "train_history.jsonl"
-    if not history.exists():
-        return ""
-    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
-    lines = []
-    for tag in CURVES:
-        values = [r[tag] for r in rows if isinstance(r.get(tag), (int, float)) and math.isfinite(r[tag])]
-        if values:
-            lines.append(f"| `{tag}` | {values[0]:.4g} → {values[-1]:.4g} | `{sparkline(values)}` |")
+    rows = report.history(out)
+    lines = [f"| `{tag}` | {pts[0][1]:.4g} → {pts[-1][1]:.4g} | `{sparkline([v for _, v in pts])}` |"
+             for tag in report.CURVES if (pts := report.series(rows, tag))]
     return ("\n## curves (per step)\n\n| tag | first → last | curve |\n|---|---|---|\n" + "\n".join(lines) + "\n") if lines else ""
 
 
-def _summary(stage: str, repo: Path, status: str) -> str:
+def plot_targets(stage: str, repo: Path) -> list[str]:
+    """What `dvc plots show` draws for a stage: its history file (the stage's own `plots:` in
+    dvc.yaml) and every top-level plot whose y reads that file (rl@rlhf's gold vs proxy reward)."""
+    history = f"artifacts/{stage}/train_history.json"
+    if not (repo / history).exists():
+        return []
+    spec = yaml.safe_load((repo / "dvc.yaml").read_text()) if (repo / "dvc.yaml").exists() else {}
+    tops = [pid for entry in (spec or {}).get("plots") or [] if isinstance(entry, dict)
+            for pid, plot in entry.items() if isinstance(plot, dict) and history in (plot.get("y") or {})]
+    return [history, *tops]
+
+
+def dvc_plots(stage: str, repo: Path) -> str:
+    """Render the stage's `dvc plots` to reports/plots/<key>[-<plot id>]/index.html (one page per
+    target: given a file and a plot id together, DVC draws only the latter) and return markdown
+    lines linking them, or saying why one is missing (a failure to draw never fails the stage)."""
+    lines, repo = [], repo.resolve()
+    for target in plot_targets(stage, repo):
+        dest = repo / "reports" / "plots" / (_key(stage) + ("" if target.endswith(".json") else f"-{_key(target)}"))
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)  # dvc creates the last level only
+        proc = _dvc(["plots", "show", target, "-o", str(dest)], repo)
+        said = (proc.stderr + proc.stdout).strip()
+        index = dest / "index.html"
+        if proc.returncode or "failed to load" in said or not index.exists():  # DVC exits 0 on an unreadable file
+            why = next((x for x in said.splitlines() if "failed" in x or "ERROR" in x), said.splitlines()[-1] if said else "no index.html")
+            logging.getLogger(__name__).warning("%s: dvc plots show %s failed (exit %s): %s", stage, target, proc.returncode, why)
+            lines.append(f"dvc plots `{target}`: not drawn (exit {proc.returncode}: {why})")
+            shutil.rmtree(dest, ignore_errors=True)  # DVC writes a page without the plot: none is clearer
+        else:  # DVC's page loads Vega from its CDN; offline, `dvc plots show --json` has the same data
+            lines.append(f"dvc plots `{target}`: [`{index.relative_to(repo)}`](file://{index.resolve()})")
+    return "".join(f"\n{line}\n" for line in lines)
+
+
+def _summary(stage: str, repo: Path, status: str, plots: str = "") -> str:
     out = repo / "artifacts" / ("base" if stage == "prepare" else stage)
     metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
     rows = "\n".join(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |" for k, v in sorted(metrics.items()))
     manifest = out / "manifest.json"
     return (f"# stage `{stage}`: {status}\n\nmanifest: [`{manifest}`](file://{manifest.resolve()})\n\n"
-            f"| metric | value |\n|---|---|\n{rows or '| (none) | |'}\n{_curves(out)}")
+            f"| metric | value |\n|---|---|\n{rows or '| (none) | |'}\n{_curves(out)}{plots}")
 
 
 @task(retries=1, retry_delay_seconds=5, task_run_name="{stage}")
@@ -127,7 +155,7 @@ def run_stage(stage: str, repo: str, push: bool = True):
     root = Path(repo)
     if not stage_changed(stage, root):
         logger.info("%s: unchanged, skipped", stage)
-        create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "skipped (unchanged)"),
+        create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "skipped (unchanged)", dvc_plots(stage, root)),
                                  description=f"{stage} (skipped)")
         return Completed(message=f"{stage}: unchanged, skipped", data={"stage": stage, "ran": False})
     env = {"RLHF_PREFECT_FLOW_RUN_ID": str(flow_run.id or ""), "RLHF_PREFECT_TASK_RUN_ID": str(task_run.id or "")}
@@ -138,7 +166,8 @@ def run_stage(stage: str, repo: str, push: bool = True):
         pushed = _dvc(["push", stage], root)
         if pushed.returncode:
             raise StageFailed(f"dvc push {stage} failed: {pushed.stderr.strip()[-2000:]}")
-    create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "ran"), description=f"{stage} (ran)")
+    create_markdown_artifact(key=f"{_key(stage)}-summary", markdown=_summary(stage, root, "ran", dvc_plots(stage, root)),
+                             description=f"{stage} (ran)")
     return {"stage": stage, "ran": True}
 
 

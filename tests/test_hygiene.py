@@ -3,6 +3,7 @@
 Every test is marked unit, integration, e2e or gpu (conftest.py refuses to collect an unmarked
 one); no subprocess or wait inside a test may outlast pytest's own timeout, since then pytest
 kills the test first and the subprocess's own, clearer error never shows."""
+import ast
 import re
 from pathlib import Path
 
@@ -12,14 +13,32 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def long_waits(source: str, limit: int) -> list[tuple[int, str]]:
+    """(line, call) of every call in `source` that waits `limit` seconds or more: a `timeout=N` /
+    `timeout_s=N` keyword, or a literal N >= limit passed positionally to a call whose name has
+    `wait` or `timeout` in it (`proc.wait(N)`, `wait_for(cond, N)`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", None) or getattr(node.func, "id", "")
+        values = [k.value for k in node.keywords if k.arg in ("timeout", "timeout_s")]
+        if "wait" in name or "timeout" in name:
+            values += node.args
+        found += [(node.lineno, f"{name}(... {v.value} ...)") for v in values
+                  if isinstance(v, ast.Constant) and isinstance(v.value, (int, float)) and not isinstance(v.value, bool) and v.value >= limit]
+    return found
+
+
+def test_long_waits_finds_keyword_and_positional_waits():
+    src = "p.wait(900)\nwait_for(f, 900, poll=1)\nrun(x, timeout=1200)\nwait_for(f, 60)\nsleep(900)\nrun(x, timeout=True)\n"
+    assert [line for line, _ in long_waits(src, limit=900)] == [1, 2, 3]
+
+
 def test_no_timeout_in_a_test_reaches_the_pytest_timeout():
     limit = int(re.search(r"^timeout\s*=\s*(\d+)", (ROOT / "pyproject.toml").read_text(), re.M).group(1))
-    too_long = []
-    for path in sorted((ROOT / "tests").rglob("*.py")):
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            for m in re.finditer(r"(?<![\w.])timeout\s*=\s*(\d+)", line):
-                if int(m.group(1)) >= limit:
-                    too_long.append(f"{path.relative_to(ROOT)}:{lineno}: timeout={m.group(1)} >= pytest's {limit}")
+    too_long = [f"{path.relative_to(ROOT)}:{line}: {call} >= pytest's {limit}"
+                for path in sorted((ROOT / "tests").rglob("*.py")) for line, call in long_waits(path.read_text(), limit)]
     assert too_long == []
 
 
@@ -59,3 +78,14 @@ def test_no_function_is_longer_than_a_screen():
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                     long.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+def test_no_test_calls_another_test():
+    """A test that calls another runs it twice and ties their failures together (use a fixture)."""
+    calls = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
+                calls += [f"{path.relative_to(ROOT)}:{c.lineno}: {fn.name} calls {c.func.id}" for c in ast.walk(fn)
+                          if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id.startswith("test_")]
+    assert calls == []

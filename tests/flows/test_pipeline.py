@@ -166,6 +166,9 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
     curves = [st for st in ("pretrain", "sft", "rm", "dpo", "rl@rlhf", "rl@rlvr")
               if len((root / "artifacts" / st / "train_history.jsonl").read_text().splitlines()) >= 2]
     assert curves and page.count("<svg") >= len(curves)
+    # each trained stage's dvc plots page, linked from its Prefect summary artifact
+    assert all((root / "reports" / "plots" / st.replace("@", "-") / "index.html").exists() for st in curves), list((root / "reports").rglob("*"))
+    assert (root / "reports" / "plots" / "rl-rlhf-rlhf-gold-vs-proxy" / "index.html").exists()
     lineage = page[page.index("<h3>lineage</h3>"):]
     source = json.loads((root / "artifacts" / "champion" / "champion.json").read_text())["source"].split("/")[-1].split("@")[0]
     assert f"[{source}]" in lineage and "[sft]" in lineage and "lineage unavailable" not in lineage, lineage[:2000]

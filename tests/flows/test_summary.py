@@ -55,3 +55,31 @@ def test_pipeline_report_lists_the_dag_with_states_metrics_and_one_chart_per_cur
     assert "none promoted yet" in page
     # the chart scales into its box: a rising line goes from the bottom-left to the top-right
     assert 'points="8.0,112.0 272.0,8.0"' in svg_chart([(1, 0.0), (2, 1.0)], "t")
+
+
+@pytest.mark.integration
+def test_dvc_plots_pages_for_a_stage_from_the_projects_dvc_yaml(tmp_path):
+    """`dvc plots show` (the real CLI, on this project's dvc.yaml) draws rl@rlhf's own plot and the
+    top-level gold-vs-proxy plot that reads the same file; an unreadable history says so."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from flows.pipeline import dvc_plots, plot_targets
+
+    shutil.copy(Path(__file__).parents[2] / "dvc.yaml", tmp_path / "dvc.yaml")
+    subprocess.run(["dvc", "init", "-q", "--no-scm"], cwd=tmp_path, check=True)
+    out = tmp_path / "artifacts" / "rl@rlhf"
+    out.mkdir(parents=True)
+    assert plot_targets("rl@rlhf", tmp_path) == [] and dvc_plots("rl@rlhf", tmp_path) == ""  # not trained yet: nothing to draw
+    rows = [{"step": i, "rl/reward_mean": i / 10, "train/reward_proxy": i / 5, "train/reward_gold": i / 20} for i in range(1, 6)]
+    (out / "train_history.json").write_text(json.dumps(rows))
+    assert plot_targets("rl@rlhf", tmp_path) == ["artifacts/rl@rlhf/train_history.json", "rlhf_gold_vs_proxy"]
+    md = dvc_plots("rl@rlhf", tmp_path)
+    own, gold = tmp_path / "reports/plots/rl-rlhf/index.html", tmp_path / "reports/plots/rl-rlhf-rlhf-gold-vs-proxy/index.html"
+    assert f"(file://{own})" in md and f"(file://{gold})" in md and "not drawn" not in md
+    assert '"rl/reward_mean": 0.5' in own.read_text() and '"field": "train/reward_gold"' in gold.read_text()
+    assert _summary("rl@rlhf", tmp_path, "ran", md).endswith(md)  # the links close the stage's summary artifact
+    (out / "train_history.json").write_text("{broken")
+    md = dvc_plots("rl@rlhf", tmp_path)
+    assert md.count("not drawn") == 2 and "failed to load" in md and not own.exists()  # no stale page left behind

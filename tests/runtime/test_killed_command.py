@@ -80,7 +80,7 @@ def wait_for_checkpoint(cmd: subprocess.Popen, log: Path, ckpts: Path, name: str
         if cmd.poll() is not None:
             raise AssertionError(f"the run ended before {name} ({cmd.returncode}):\n{log.read_text()[-3000:]}")
         return (ckpts / "latest").is_file() and (ckpts / "latest").read_text() == name
-    assert wait_for(reached, 900), log.read_text()[-3000:]
+    assert wait_for(reached, 600), log.read_text()[-3000:]
 
 
 def job_id_in(text: str, stage: str) -> str:
