@@ -253,11 +253,17 @@ class StepLog:
         from tqdm import tqdm
 
         self.path, self.prefix, self.max_steps, self.start_step, self.t0 = out_dir / HISTORY, prefix, max_steps, step, time.time()
+        self.t_last = self.t0
         self.writer = SummaryWriter(str(out_dir / "tensorboard"))
         self.bar = tqdm(total=max_steps, initial=step, desc=name, unit="step", dynamic_ncols=True, mininterval=2)
 
     def write(self, row: dict) -> None:
+        """One step's row; `time/step_s` is the wall time since the previous row (an eval or a
+        checkpoint between two steps counts in the next one: the median is the step's cost)."""
+        now = time.time()
         tagged = {k if k == "step" or "/" in k else f"{self.prefix}/{k}": v for k, v in row.items()}
+        tagged.setdefault("time/step_s", round(now - self.t_last, 4))
+        self.t_last = now
         self.scalars({k: v for k, v in tagged.items() if k != "step"}, row["step"])
         with open(self.path, "a") as f:
             f.write(json.dumps(tagged) + "\n")

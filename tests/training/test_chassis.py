@@ -2,6 +2,7 @@
 what each clears), the step log, the NaN guard, the cadence.  Real files, no Ray."""
 import json
 import logging
+import time
 
 import pytest
 
@@ -63,9 +64,12 @@ def test_fresh_start_clears_an_earlier_run_and_resume_trims_its_history(out, cap
 def test_step_log_writes_history_and_reports_eta(out):
     log = StepLog(out, "stage", max_steps=4, step=0, prefix="train")
     log.write({"step": 1, "loss": 2.0, "critic/loss": 1.0})
+    time.sleep(0.05)
     log.write({"step": 2, "loss": 1.0})
     # one namespace: a bare key goes under the prefix in the history as in TensorBoard
-    assert log.last() == {"step": 2, "train/loss": 1.0}
+    last = log.last()
+    assert {k: v for k, v in last.items() if k != "time/step_s"} == {"step": 2, "train/loss": 1.0}
+    assert 0.05 <= last["time/step_s"] < 5  # each row's wall time since the row before
     assert log.eta(2) == pytest.approx(log.elapsed(), rel=0.5, abs=0.05)  # two steps done, two to go
     metrics = final_metrics(RunState(step=2, nan_skipped=1, init_metrics={"eval/accuracy_init": 0.1}), log)
     log.close()
@@ -75,7 +79,7 @@ def test_step_log_writes_history_and_reports_eta(out):
 
     tags = EventAccumulator(str(out / "tensorboard")).Reload().Tags()["scalars"]
     first = json.loads((out / "train_history.jsonl").read_text().splitlines()[0])
-    assert set(first) - {"step"} == {"train/loss", "critic/loss"} <= set(tags)
+    assert set(first) - {"step"} == {"train/loss", "critic/loss", "time/step_s"} <= set(tags)
 
 
 def test_reduce_ranks_sums_loss_shares_and_averages_the_rest():
