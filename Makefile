@@ -14,7 +14,7 @@ export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.dvc/tmp/site
 # stage commands in dvc.yaml call `rlhf` from the project environment
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup run test test-ui test-unit clean
+.PHONY: setup run test test-ui test-unit bench clean
 
 setup: $(STAMP)
 
@@ -47,8 +47,21 @@ test-ui: setup
 	$(BIN)/pip install -q selenium
 	$(BIN)/python -m pytest -n 0 -m ui tests/flows/test_pipeline.py
 
+# our stages against TRL's trainers (bench/vs_trl.py): TRL lives in its own .venv-bench/, never in .venv
+BENCH_VENV := .venv-bench
+TRL_VERSION := 1.16.0
+
+bench: setup $(BENCH_VENV)/.installed
+	$(BIN)/python bench/vs_trl.py
+
+$(BENCH_VENV)/.installed: constraints-cpu.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check -c constraints-cpu.txt torch
+	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check -c constraints-cpu.txt trl==$(TRL_VERSION)
+	touch $@
+
 test-unit: setup
 	$(BIN)/python -m pytest -m unit
 
 clean:
-	rm -rf $(VENV) artifacts data
+	rm -rf $(VENV) $(BENCH_VENV) artifacts data
