@@ -49,7 +49,7 @@ def exact_match(completions: list[str], label: list[str], **kw) -> list[float]:
     return [float(c.split("\n", 1)[0].strip() == str(y).strip()) for c, y in zip(completions, label)]
 
 
-def grpo(spec: dict, tok, timer) -> None:
+def grpo(spec: dict, tok, timer) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
     data = rows(spec["train_data"])
@@ -62,9 +62,10 @@ def grpo(spec: dict, tok, timer) -> None:
                           callbacks=[timer])
     trainer.train()
     trainer.save_model(spec["out"])
+    return trainer.state.log_history
 
 
-def sft(spec: dict, tok, timer) -> None:
+def sft(spec: dict, tok, timer) -> list[dict]:
     from trl import SFTConfig, SFTTrainer
 
     # prompt-completion rows: the loss on the completion only, EOS appended (as our sft)
@@ -74,9 +75,10 @@ def sft(spec: dict, tok, timer) -> None:
     trainer = SFTTrainer(model=spec["model"], args=args, train_dataset=ds, processing_class=tok, callbacks=[timer])
     trainer.train()
     trainer.save_model(spec["out"])
+    return trainer.state.log_history
 
 
-def dpo(spec: dict, tok, timer) -> None:
+def dpo(spec: dict, tok, timer) -> list[dict]:
     from trl import DPOConfig, DPOTrainer
 
     ds = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows(spec["train_data"])])
@@ -86,6 +88,7 @@ def dpo(spec: dict, tok, timer) -> None:
     trainer = DPOTrainer(model=spec["model"], args=args, train_dataset=ds, processing_class=tok, callbacks=[timer])
     trainer.train()
     trainer.save_model(spec["out"])
+    return trainer.state.log_history
 
 
 @torch.no_grad()
@@ -113,8 +116,8 @@ def main(spec_path: str) -> None:
     else:
         tok = AutoTokenizer.from_pretrained(spec["model"])
         timer, t0 = StepTimer(), time.perf_counter()
-        {"grpo": grpo, "sft": sft, "dpo": dpo}[spec["mode"]](spec, tok, timer)
-        result = {"train_wall_s": time.perf_counter() - t0, "step_s": timer.times,
+        logs = {"grpo": grpo, "sft": sft, "dpo": dpo}[spec["mode"]](spec, tok, timer)
+        result = {"train_wall_s": time.perf_counter() - t0, "step_s": timer.times, "log_history": logs,
                   "median_step_s": statistics.median(timer.times) if timer.times else None}
     with open(spec["result"], "w") as f:
         json.dump(result, f)

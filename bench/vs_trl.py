@@ -107,20 +107,43 @@ def compare_dpo(project: Path, steps: int) -> tuple[dict, dict, dict]:
     return a, b, {"samples_per_step": 32, "start": "artifacts/sft/model", "ours_model": "artifacts/dpo/model", "trl_model": "bench/trl-dpo"}
 
 
-def report(name: str, a: dict, b: dict, info: dict, acc: dict) -> dict:
+def tokens_per_sample(project: Path, name: str, a: dict, b: dict) -> tuple[float, float]:
+    """Tokens one sample puts through the model (prompt with BOS, response, EOS; a DPO pair counts
+    both sides), ours and TRL's: equal for sft and dpo (same rows, same tokenizer); for grpo the
+    prompt plus each side's own mean completion length."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(project / "artifacts/pretrain/model"))
+    n = lambda text, special=True: len(tok(text, add_special_tokens=special).input_ids)  # noqa: E731
+    data = {"sft": "sft.jsonl", "grpo": "rl.jsonl", "dpo": "prefs.jsonl"}[name]
+    rows = [json.loads(x) for x in (project / "data" / data).read_text().splitlines() if x.strip()]
+    if name == "sft":
+        t = statistics.mean(n(r["prompt"]) + n(r["response"], False) + 1 for r in rows)
+        return t, t
+    if name == "dpo":
+        t = statistics.mean(2 * n(r["prompt"]) + n(r["chosen"], False) + n(r["rejected"], False) + 2 for r in rows)
+        return t, t
+    prompt = statistics.mean(n(r["prompt"]) for r in rows)
+    ours_len = statistics.mean(r["rl/response_length"] for r in a["history"])
+    trl_len = statistics.mean(r["completions/mean_length"] for r in b["log_history"] if "completions/mean_length" in r)
+    return prompt + ours_len, prompt + trl_len
+
+
+def report(name: str, a: dict, b: dict, info: dict, acc: dict, tokens: tuple[float, float]) -> dict:
     n = info["samples_per_step"]
-    row = {"ours": {"median_step_s": a["median_step_s"], "samples_per_s": n / a["median_step_s"], "command_wall_s": a["command_wall_s"],
-                    "accuracy": acc[info["ours_model"]], "stage_eval_accuracy": a["metrics"].get("eval/accuracy")},
-           "trl": {"median_step_s": b["median_step_s"], "samples_per_s": n / b["median_step_s"], "command_wall_s": b["command_wall_s"],
-                   "accuracy": acc[info["trl_model"]]},
+    side = lambda r, model, t: {"median_step_s": r["median_step_s"], "samples_per_s": n / r["median_step_s"],  # noqa: E731
+                                "tokens_per_s": n * t / r["median_step_s"], "command_wall_s": r["command_wall_s"],
+                                "outside_steps_s": r["command_wall_s"] - sum(r["step_s"]), "accuracy": acc[info[model]]}
+    row = {"ours": {**side(a, "ours_model", tokens[0]), "stage_eval_accuracy": a["metrics"].get("eval/accuracy")},
+           "trl": side(b, "trl_model", tokens[1]),
            "start_accuracy": acc[info["start"]], "samples_per_step": n}
     row["ratio_samples_per_s"] = row["ours"]["samples_per_s"] / row["trl"]["samples_per_s"]
     row["ratio_command_wall"] = row["ours"]["command_wall_s"] / row["trl"]["command_wall_s"]
     print(f"\n== {name}: {n} samples/step, start accuracy {row['start_accuracy']:.3f}")
-    print(f"{'':6} {'median step s':>14} {'samples/s':>10} {'command s':>10} {'accuracy':>9}")
-    for side in ("ours", "trl"):
-        r = row[side]
-        print(f"{side:6} {r['median_step_s']:14.3f} {r['samples_per_s']:10.1f} {r['command_wall_s']:10.1f} {r['accuracy']:9.3f}")
+    print(f"{'':6} {'median step s':>14} {'samples/s':>10} {'tokens/s':>9} {'command s':>10} {'outside steps s':>16} {'accuracy':>9}")
+    for name_, r in (("ours", row["ours"]), ("trl", row["trl"])):
+        print(f"{name_:6} {r['median_step_s']:14.3f} {r['samples_per_s']:10.1f} {r['tokens_per_s']:9.0f} {r['command_wall_s']:10.1f} "
+              f"{r['outside_steps_s']:16.1f} {r['accuracy']:9.3f}")
     print(f"ours/TRL: samples/s x{row['ratio_samples_per_s']:.2f}, command wall x{row['ratio_command_wall']:.2f}, "
           f"accuracy {row['ours']['accuracy'] - row['trl']['accuracy']:+.3f}  (our stage's own eval: {row['ours']['stage_eval_accuracy']})")
     return row
@@ -154,7 +177,7 @@ def main() -> None:
     acc = trl({"mode": "eval", "models": models, "eval_data": str(project / "data/eval.jsonl"), "max_new_tokens": 8}, project, "eval")
     acc = {str(Path(m).relative_to(project)): v for m, v in acc.items() if m != "command_wall_s"}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    results = {name: report(name, *run, acc) for name, run in runs.items()}
+    results = {name: report(name, *run, acc, tokens_per_sample(project, name, run[0], run[1])) for name, run in runs.items()}
     (project / "bench" / "vs_trl.json").write_text(json.dumps({"commit": commit, "args": vars(args), "results": results}, indent=2))
     print(f"\ncommit {commit}; everything in {project / 'bench' / 'vs_trl.json'}")
 

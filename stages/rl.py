@@ -64,6 +64,12 @@ class Config(TrainConfig):
     global_batch_size: int = 512
     """Samples per optimizer step (mini-batch); prompts_per_step * n_samples / this = updates per epoch."""
     ppo_epochs: int = 1
+    recompute_old_logprobs: bool | None = None
+    """A policy forward for the old log-probs before the update.  Unset: only where they can differ
+    from the policy's own at the update -- several updates per step (ppo_epochs > 1 or several
+    mini-batches) or kl_mode=reward.  Skipped (on-policy, one update: the TRL and verl shortcut),
+    the loss takes the policy's log-probs, detached, as the old ones (ratio 1, the same gradient),
+    the rollouts' `old_logprobs` column is null and the KL statistic reads the engine's log-probs."""
     max_new_tokens: int = 8
     temperature: float = 1.0
     """Sampling temperature of the rollouts; the trainer's, the reference's and the engine's
@@ -74,6 +80,8 @@ class Config(TrainConfig):
     updates where supported); separate: rollout/reference/reward actors get their own resources."""
     rollout_workers: int = 1
     rollout_cpus: float = 1.0
+    """CPUs (and torch threads) of each rollout engine in layout=separate; colocated, the engine
+    and the reference use the trainer's `cpus_per_worker` threads (their phases take turns)."""
     rollout_gpus: float = 0.0
     engine_sleep: bool = False
     """Free the engine's GPU memory during updates (vLLM sleep mode): needs `engine=vllm` and GPUs
@@ -215,12 +223,15 @@ class Roles:
             return dict(num_cpus=cpus, num_gpus=gpus)
 
         env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
-        self.reference = ray.remote(ForwardWorker).options(**place(0, 0.25, cfg.rollout_gpus)).remote(model_path, cfg.dtype, cfg.trust_remote_code)
+        # torch threads per role: colocated roles take turns on the bundle's CPUs (a step's phases
+        # run one after the other), so each uses all of them; separate ones use their own share
+        threads = max(1, int(cfg.cpus_per_worker)) if colocated else max(1, int(cfg.rollout_cpus))
+        self.reference = ray.remote(ForwardWorker).options(**place(0, 0.25, cfg.rollout_gpus)).remote(
+            model_path, cfg.dtype, cfg.trust_remote_code, threads if colocated else 1)
         self.rollout = [
             ray.remote(RolloutWorker).options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus), runtime_env=env).remote(
                 cfg.engine, model_path, cfg.max_len, cfg.seed + i, cfg.agent, cfg.agent_file and str(Path(cfg.agent_file).resolve()),
-                cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep, cfg.trust_remote_code,
-                max(1, int(cfg.rollout_cpus)))
+                cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep, cfg.trust_remote_code, threads)
             for i in range(cfg.rollout_workers)
         ]
         builtin = not (cfg.reward_file or cfg.reward_model or cfg.reward_url) and cfg.agent == "single_turn" and not cfg.agent_file
@@ -397,12 +408,27 @@ def sample_batch(roles: Roles, cfg: Config, rows: list[dict], consumed: int, tim
     return samples, invalid, drawn, rounds
 
 
+def updates_per_step(cfg: Config) -> int:
+    """Optimizer updates each step makes on its samples: epochs x mini-batches (see `update`)."""
+    return cfg.ppo_epochs * max(1, round(cfg.prompts_per_step * cfg.n_samples / cfg.global_batch_size))
+
+
+def recompute_old(cfg: Config) -> bool:
+    """Whether the step runs the policy's forward for old log-probs before the update: asked for, or
+    needed (`rl.recompute_old_logprobs`): the KL in the reward reads them before any update, and a
+    second update must compare against the weights before the first."""
+    if cfg.recompute_old_logprobs is not None:
+        return cfg.recompute_old_logprobs
+    return cfg.kl_mode == "reward" or updates_per_step(cfg) > 1
+
+
 def forward_stats(roles: Roles, cfg: Config, kept: RolloutBatch, collate) -> RolloutBatch:
-    """The kept samples with old log-probs (policy), reference log-probs and values (critic)."""
+    """The kept samples with reference log-probs, old log-probs (policy; only if `recompute_old`)
+    and values (critic)."""
     batches = common.batches(collate, kept, cfg.eval_batch_size)
     logprobs = partial(rl_step.logprobs_fn, temperature=cfg.temperature)  # the distribution the engine sampled from
     ref = roles.reference.evaluate.remote(batches, logprobs)
-    old = roles.policy.call_rank0("evaluate", batches, logprobs)
+    old = roles.policy.call_rank0("evaluate", batches, logprobs) if recompute_old(cfg) else None
     values = roles.critic.call_rank0("evaluate", batches, rl_step.values_fn) if roles.critic else None
     return kept.with_columns(old_logprobs=old, ref_logprobs=roles.get(ref, "reference forward"), old_values=values)
 

@@ -39,7 +39,10 @@ def compute_advantages(batch: RolloutBatch, algo: str, kl_coef: float, kl_in_rew
     """The batch with `advantages`, `returns`, `kl` (per token) and `centred_score`, and the batch's
     stats.  Scores must be finite (invalid samples are removed before this)."""
     recipe = ALGO_RECIPES[algo]
-    mask, old, ref = batch.action_mask, batch.old_logprobs, batch.ref_logprobs
+    mask, ref = batch.action_mask, batch.ref_logprobs
+    # the behaviour policy's log-probs: the trainer's where the step computed them, else the
+    # engine's (the same policy, synced before the rollout; equal in fp32 to ~1e-6)
+    old = batch.old_logprobs if batch.old_logprobs is not None else batch.engine_logprobs
     values = batch.old_values if recipe.needs_critic else None
     scores = torch.tensor(batch.score, dtype=torch.float32)
     centred = SCORE_BASELINES[recipe.baseline](scores, torch.tensor(batch.group))
@@ -134,13 +137,16 @@ class PolicyObjective:
         lp = token_logprobs(logits, batch["input_ids"][:, 1:])
         mask = batch["action_mask"]
         agg = dict(agg_mode=self.agg_mode, num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=self.norm_len)
+        # no old log-probs in the batch: this is the step's only update (on-policy, rl.recompute_old_logprobs),
+        # so the policy's own log-probs are the old ones (the ratio is 1, its gradient the policy gradient)
+        old = batch["old_logprobs"] if "old_logprobs" in batch else lp.detach()
         is_weights, stats = None, {}
         if self.is_correction:
-            is_weights, stats = IS_CORRECTIONS[self.is_correction](batch["old_logprobs"], batch["engine_logprobs"], mask,
+            is_weights, stats = IS_CORRECTIONS[self.is_correction](old, batch["engine_logprobs"], mask,
                                                                    low=self.is_low, high=self.is_high)
             if self.is_batch_normalize:
                 is_weights = batch_normalise_is(is_weights, mask, per_sequence=self.is_correction in SEQUENCE_LEVEL_IS)
-        loss, pstats = POLICY_LOSSES[self.loss_type](lp, batch["old_logprobs"], batch["advantages"], mask, clip_low=self.clip_low,
+        loss, pstats = POLICY_LOSSES[self.loss_type](lp, old, batch["advantages"], mask, clip_low=self.clip_low,
                                                      clip_high=self.clip_high, dual_clip=self.dual_clip, is_weights=is_weights, **agg)
         stats.update(pstats)
         if self.kl_loss_coef:

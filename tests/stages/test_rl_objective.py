@@ -156,3 +156,54 @@ def test_kl_estimator_and_clamp_reach_the_loss_and_the_advantages():
         base, _ = loss_fn(model, b, counts)
         with_kl, stats = replace(loss_fn, kl_loss_coef=0.5)(model, b, counts)
         assert float(with_kl - base) == pytest.approx(0.5 * expected, abs=1e-6) and float(stats["kl_loss"]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_old_logprobs_are_recomputed_only_where_they_can_differ_from_the_policys():
+    """The on-policy shortcut (TRL, verl): one update per step and the KL as a loss -> no forward."""
+    assert rl.updates_per_step(Config()) == 1 and not rl.recompute_old(Config())  # the default: 64 x 8 in one update
+    assert rl.recompute_old(Config(ppo_epochs=2))
+    assert rl.updates_per_step(Config(global_batch_size=128)) == 4 and rl.recompute_old(Config(global_batch_size=128))
+    assert rl.recompute_old(Config(kl_mode="reward"))  # the KL penalty in the reward reads them before any update
+    assert rl.recompute_old(Config(recompute_old_logprobs=True)) and not rl.recompute_old(Config(ppo_epochs=2, recompute_old_logprobs=False))
+
+
+def test_without_old_logprobs_the_loss_and_gradient_are_those_of_ratio_one():
+    """A batch with no `old_logprobs` (the shortcut) gives exactly the loss and gradient of one whose
+    old log-probs are the policy's own, detached: ratio 1, surrogate -A, gradient -A grad log pi,
+    with TIS reading the same old log-probs against the engine's."""
+    cfg = Config(is_correction="tis", kl_coef=0.0)
+    loss_fn, _ = make_losses(cfg)
+    counts = {"num_tokens": 2, "num_seqs": 1}
+
+    def run(with_old: bool):
+        logits = LOGITS.clone().requires_grad_(True)
+        model = lambda input_ids, attention_mask: SimpleNamespace(logits=logits)  # noqa: E731
+        b = batch(1.0, 1.0, engine_ratio=1.5)
+        b["advantages"] = torch.tensor([[1.0, -0.5]])
+        if with_old:
+            b["old_logprobs"] = token_logprobs(LOGITS[:, :-1], IDS[:, 1:], 1.0)  # the policy's own, as a forward computes them
+        else:
+            b["engine_logprobs"] = token_logprobs(LOGITS[:, :-1], IDS[:, 1:], 1.0) - math.log(1.5)
+            del b["old_logprobs"]
+        loss, _ = loss_fn(model, b, counts)
+        loss.backward()
+        return float(loss), logits.grad
+    loss_a, grad_a = run(True)
+    loss_b, grad_b = run(False)
+    assert loss_b == pytest.approx(-(1.0 - 0.5) / 2 * 1.5, abs=1e-6)  # -mean(A * tis weight 1.5), ratio 1
+    assert loss_a == pytest.approx(loss_b, abs=1e-6) and torch.allclose(grad_a, grad_b, atol=1e-6)
+
+
+def test_without_old_logprobs_the_kl_statistic_reads_the_engines():
+    from conftest import make_batch
+
+    from rlhf_core.training import rl_step
+
+    def sample(**kw):
+        return {"token_ids": [1, 2, 5, 6], "prompt_len": 2, "action_mask": [1, 1], "group": 0, "score": 1.0,
+                "ref_logprobs": [-1.0, -1.0], "engine_logprobs": [-0.5, -2.0], **kw}
+    args = dict(algo="grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k1", gamma=1.0, lam=1.0, whiten_gae=False, reward_clip=None)
+    _, stats = rl_step.compute_advantages(make_batch([sample()]), **args)
+    assert stats["kl"] == pytest.approx((-0.5 + 1.0) + (-2.0 + 1.0))  # k1 = engine - ref, summed over the response
+    _, stats = rl_step.compute_advantages(make_batch([sample(old_logprobs=[-1.0, -1.0])]), **args)
+    assert stats["kl"] == pytest.approx(0.0)  # the trainer's old log-probs win where the step computed them
