@@ -8,7 +8,8 @@
    base: throughput does not care what the model knows).  From each step's timings in
    train_history.jsonl (first step dropped as warm-up; medians):
      rollout  2 N (prompt + response) per sample            / rl/rollout_s   (vLLM, fp32)
-     forward  2 x 2 N (prompt + response) per sample        / rl/forward_s   (reference and old log-probs)
+     forward  k x 2 N (prompt + response) per sample        / rl/forward_s   (k forwards: the reference, plus the
+                                                                              old log-probs where recomputed)
      update   6 N (prompt + response) per sample            / rl/update_s    (forward + backward)
    N counts the matmul weights a token goes through (every linear layer and the tied LM head; the
    embedding lookup is free; attention's score/value products are ~2 x layers x width x context
@@ -80,7 +81,12 @@ def phase_mfu(name: str, extra: list[str], steps: int, peak: float, work: Path) 
     rows = [json.loads(x) for x in (project / "artifacts/rl/train_history.jsonl").read_text().splitlines()][1:]
     samples = statistics.median(r["rl/kept"] for r in rows)
     tokens = samples * (prompt_len + statistics.median(r["rl/response_length"] for r in rows))
-    flops = {"rollout": 2 * n * tokens, "forward": 2 * 2 * n * tokens, "update": 6 * n * tokens}
+    from rlhf_core.config import from_dict
+    from stages import rl
+
+    cfg = from_dict(rl.Config, json.loads((project / "artifacts/rl/config.resolved.json").read_text())["config"])
+    forwards = 1 + rl.recompute_old(cfg) + rl.ALGO_RECIPES[cfg.algo].needs_critic  # reference (+ old log-probs, + values)
+    flops = {"rollout": 2 * n * tokens, "forward": forwards * 2 * n * tokens, "update": 6 * n * tokens}
     secs = {"rollout": "rl/rollout_s", "forward": "rl/forward_s", "update": "rl/update_s"}
     out = {"matmul_params": n, "tokens_per_step": tokens, "step_s": statistics.median(r["time/step_s"] for r in rows)}
     for phase, key in secs.items():
