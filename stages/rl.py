@@ -202,9 +202,11 @@ class Roles:
         n_roles = 4 + with_critic  # policy, (critic), reference, rollout, reward share a bundle when colocated
         share = 1.0 / n_roles if colocated else 1.0
         bounded = dict(timeout=cfg.rollout_timeout, timeout_setting="rollout_timeout")  # every call and train step
-        self.policy = WorkerGroup(cfg, model_path, "causal_lm", pad_id, share=share, name="policy", **bounded)
+        # every role starts at once, waited for together below: the trainers' start (DeepSpeed) and
+        # the engine's (vLLM's import and init) overlap instead of running one after the other
+        self.policy = WorkerGroup(cfg, model_path, "causal_lm", pad_id, share=share, name="policy", wait=False, **bounded)
         self.critic = WorkerGroup(replace(cfg, lr=cfg.critic_lr), model_path, "value", pad_id, share=share,
-                                  pg=self.policy.pg if colocated else None, name="critic", **bounded) if with_critic else None
+                                  pg=self.policy.pg if colocated else None, name="critic", wait=False, **bounded) if with_critic else None
 
         if not colocated:
             need = cfg.num_workers * cfg.cpus_per_worker * (1 + with_critic) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
@@ -245,6 +247,8 @@ class Roles:
         # surface construction errors (bad model path, missing reward file, engine start-up) now
         self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()],
                  "starting the rollout/reward/reference actors")
+        for group, _ in self.trainers():
+            group.ready()
 
     def get(self, refs, what: str):
         import ray

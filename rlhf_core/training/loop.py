@@ -72,7 +72,7 @@ class WorkerGroup:
     becomes a `TimeoutError` naming the call, never a hung job."""
 
     def __init__(self, cfg: TrainConfig, model_path: str, model_kind: str, pad_token_id: int | None = None, share: float = 1.0, pg=None,
-                 timeout: float = 3600.0, name: str = "training", timeout_setting: str = ""):
+                 timeout: float = 3600.0, name: str = "training", timeout_setting: str = "", wait: bool = True):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -92,10 +92,19 @@ class WorkerGroup:
             for r in range(cfg.num_workers)
         ]
         self.timeout, self.name, self.timeout_setting = timeout, name, timeout_setting
-        # surfaces construction errors now, not mid-step; start-up (model load, DeepSpeed init) on a
-        # busy machine may take longer than a step's calls are allowed
-        self._get([w.state_fingerprint.remote() for w in self.workers], "start-up", timeout=max(timeout, STARTUP_TIMEOUT))
         self.zero3 = cfg.zero_stage == 3
+        self._starting = [w.state_fingerprint.remote() for w in self.workers]
+        if wait:
+            self.ready()
+
+    def ready(self) -> "WorkerGroup":
+        """Wait for start-up (model load, DeepSpeed init): construction errors surface here, not
+        mid-step.  `wait=False` lets a caller start other actors meanwhile (rl: the engine's import
+        and start overlap the trainers').  A busy machine may take longer than a step's calls."""
+        if self._starting is not None:
+            self._get(self._starting, "start-up", timeout=max(self.timeout, STARTUP_TIMEOUT))
+            self._starting = None
+        return self
 
     def _get(self, refs, what: str, timeout: float | None = None):
         import ray
