@@ -187,7 +187,7 @@ def test_without_old_logprobs_the_loss_and_gradient_are_those_of_ratio_one():
             del b["old_logprobs"]
         loss, _ = loss_fn(model, b, counts)
         loss.backward()
-        return float(loss), logits.grad
+        return float(loss.detach()), logits.grad
     loss_a, grad_a = run(True)
     loss_b, grad_b = run(False)
     assert loss_b == pytest.approx(-(1.0 - 0.5) / 2 * 1.5, abs=1e-6)  # -mean(A * tis weight 1.5), ratio 1
