@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
+    if not args.verbose:  # Prefect's API client logs every request at INFO: one line per batch of shipped logs
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except ConfigError as e:
