@@ -242,7 +242,7 @@ class Roles:
         absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
         self.reward = ray.remote(RewardWorker).options(**place(0, 0.25, 0.0)).remote(
             absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
-            cfg.reward_url_retries, builtin, cfg.trust_remote_code)
+            cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads if colocated else 1)
         self.timeout = cfg.rollout_timeout
         # surface construction errors (bad model path, missing reward file, engine start-up) now
         self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()],
@@ -432,9 +432,13 @@ def forward_stats(roles: Roles, cfg: Config, kept: RolloutBatch, collate) -> Rol
     batches = common.batches(collate, kept, cfg.eval_batch_size)
     logprobs = partial(rl_step.logprobs_fn, temperature=cfg.temperature)  # the distribution the engine sampled from
     ref = roles.reference.evaluate.remote(batches, logprobs)
+    if cfg.layout == "colocated":
+        # the roles share the bundle's cores: one forward at a time (two at once oversubscribe them)
+        ref = roles.get(ref, "reference forward")
     old = roles.policy.call_rank0("evaluate", batches, logprobs) if recompute_old(cfg) else None
     values = roles.critic.call_rank0("evaluate", batches, rl_step.values_fn) if roles.critic else None
-    return kept.with_columns(old_logprobs=old, ref_logprobs=roles.get(ref, "reference forward"), old_values=values)
+    ref = ref if cfg.layout == "colocated" else roles.get(ref, "reference forward")
+    return kept.with_columns(old_logprobs=old, ref_logprobs=ref, old_values=values)
 
 
 def update(group: WorkerGroup, cfg: Config, batch: RolloutBatch, collate, loss_fn, step: int) -> list[dict]:

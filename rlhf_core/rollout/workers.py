@@ -80,10 +80,11 @@ class RewardWorker(PeakMemory):
     """Scores finished episodes with every configured source and combines them."""
 
     def __init__(self, reward_file: str | None, reward_model: str | None, reward_url: str | None, weights: dict[str, float],
-                 pad_token_id: int, url_timeout: float, url_retries: int, builtin: bool = False, trust_remote_code: bool = False):
+                 pad_token_id: int, url_timeout: float, url_retries: int, builtin: bool = False, trust_remote_code: bool = False,
+                 threads: int = 1):
         from rlhf_core.rollout import rewards as R
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(max(1, threads))  # a reward model's forward
         self.sources = {"exact_match": R.BuiltinReward()} if builtin else {}
         if reward_file:
             self.sources["reward_file"] = R.FunctionReward(reward_file)
