@@ -78,7 +78,9 @@ def phase_mfu(name: str, extra: list[str], steps: int, peak: float, work: Path) 
     tok = AutoTokenizer.from_pretrained(str(project / "artifacts/base"))
     prompts = [json.loads(x)["prompt"] for x in (project / "data/rl.jsonl").read_text().splitlines() if x.strip()]
     prompt_len = statistics.mean(len(tok(p).input_ids) for p in prompts)
-    rows = [json.loads(x) for x in (project / "artifacts/rl/train_history.jsonl").read_text().splitlines()][1:]
+    from flows.report import history
+
+    rows = history(project / "artifacts/rl")[1:]
     samples = statistics.median(r["rl/kept"] for r in rows)
     tokens = samples * (prompt_len + statistics.median(r["rl/response_length"] for r in rows))
     from rlhf_core.config import from_dict

@@ -12,7 +12,6 @@ gate.  Prints per stage its steps' sum and the share of the whole outside the st
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import yaml
@@ -21,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def step_seconds(out: Path) -> tuple[int, float]:
-    path = out / "train_history.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    from flows.report import history
+
+    rows = history(out)
     return len(rows), sum(r.get("time/step_s", 0.0) for r in rows)
 
 

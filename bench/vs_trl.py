@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flows.report import history  # noqa: E402  (train_history.jsonl rows, as the pipeline report reads them)
+
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
 RLHF = [sys.executable, "-m", "rlhf_core.cli"]
 
@@ -41,10 +44,6 @@ def sh(cmd: list[str], cwd: Path, log: Path) -> float:
     if rc:
         sys.exit(f"{' '.join(map(str, cmd))} failed ({rc}); the end of {log}:\n{log.read_text()[-3000:]}")
     return time.perf_counter() - t0
-
-
-def history(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "train_history.jsonl").read_text().splitlines() if x.strip()]
 
 
 def trl(spec: dict, project: Path, name: str) -> dict:
@@ -71,16 +70,17 @@ def ours(stage: str, sets: dict, project: Path) -> dict:
     wall = sh([*RLHF, "stage", "run", stage, "--set", f"{stage}.resume=false", *sum((["--set", a] for a in args), [])],
               project, project / "bench" / f"ours-{stage}.log")
     out = project / "artifacts" / stage
-    steps = [r["time/step_s"] for r in history(out)]
+    rows = history(out)
+    steps = [r["time/step_s"] for r in rows]
     return {"median_step_s": statistics.median(steps), "step_s": steps, "command_wall_s": wall,
-            "metrics": json.loads((out / "metrics.json").read_text()), "history": history(out)}
+            "metrics": json.loads((out / "metrics.json").read_text()), "history": rows}
 
 
 def compare_sft(project: Path, steps: int) -> tuple[dict, dict, dict]:
     hp = {"max_steps": steps, "lr": 5e-4, "warmup_steps": 20, "scheduler": "cosine", "weight_decay": 0.1, "seed": 0, "batch_size": 64,
           "max_len": 64}
-    a = ours("sft", {"max_steps": steps, "lr": hp["lr"], "warmup_steps": 20, "global_batch_size": 64, "max_len": 64, "eval_steps": 0,
-                     "save_steps": steps}, project)
+    a = ours("sft", {**{k: hp[k] for k in ("max_steps", "lr", "warmup_steps", "max_len")}, "global_batch_size": hp["batch_size"],
+                     "eval_steps": 0, "save_steps": steps}, project)
     b = trl({**hp, "mode": "sft", "model": str(project / "artifacts/pretrain/model"), "out": str(project / "bench/trl-sft"),
              "train_data": str(project / "data/sft.jsonl")}, project, "trl-sft")
     return a, b, {"samples_per_step": 64, "start": "artifacts/pretrain/model", "ours_model": "artifacts/sft/model", "trl_model": "bench/trl-sft"}
@@ -89,9 +89,9 @@ def compare_sft(project: Path, steps: int) -> tuple[dict, dict, dict]:
 def compare_grpo(project: Path, steps: int, prompts: int, n: int) -> tuple[dict, dict, dict]:
     hp = {"max_steps": steps, "lr": 1e-4, "warmup_steps": 3, "scheduler": "constant", "weight_decay": 0.1, "seed": 0,
           "prompts_per_step": prompts, "n_samples": n, "max_new_tokens": 8, "temperature": 1.0, "kl_coef": 0.01}
-    a = ours("rl", {"algo": "grpo", "max_steps": steps, "lr": hp["lr"], "warmup_steps": 3, "prompts_per_step": prompts, "n_samples": n,
-                    "global_batch_size": prompts * n, "max_new_tokens": 8, "temperature": 1.0, "kl_coef": 0.01, "kl_estimator": "k3",
-                    "kl_mode": "loss", "eval_steps": 0, "save_steps": steps}, project)
+    shared = ("max_steps", "lr", "warmup_steps", "prompts_per_step", "n_samples", "max_new_tokens", "temperature", "kl_coef")
+    a = ours("rl", {**{k: hp[k] for k in shared}, "algo": "grpo", "global_batch_size": prompts * n, "kl_estimator": "k3", "kl_mode": "loss",
+                    "eval_steps": 0, "save_steps": steps}, project)
     b = trl({**hp, "mode": "grpo", "model": str(project / "artifacts/sft/model"), "out": str(project / "bench/trl-grpo"),
              "train_data": str(project / "data/rl.jsonl")}, project, "trl-grpo")
     return a, b, {"samples_per_step": prompts * n, "start": "artifacts/sft/model", "ours_model": "artifacts/rl/model", "trl_model": "bench/trl-grpo"}
@@ -100,7 +100,7 @@ def compare_grpo(project: Path, steps: int, prompts: int, n: int) -> tuple[dict,
 def compare_dpo(project: Path, steps: int) -> tuple[dict, dict, dict]:
     hp = {"max_steps": steps, "lr": 2e-4, "warmup_steps": 5, "scheduler": "cosine", "weight_decay": 0.1, "seed": 0, "batch_size": 32,
           "max_len": 64, "beta": 0.1, "nll_coef": 1.0}
-    a = ours("dpo", {"max_steps": steps, "lr": hp["lr"], "warmup_steps": 5, "global_batch_size": 32, "beta": 0.1, "nll_coef": 1.0,
+    a = ours("dpo", {**{k: hp[k] for k in ("max_steps", "lr", "warmup_steps", "beta", "nll_coef")}, "global_batch_size": hp["batch_size"],
                      "eval_steps": 0, "save_steps": steps}, project)
     b = trl({**hp, "mode": "dpo", "model": str(project / "artifacts/sft/model"), "out": str(project / "bench/trl-dpo"),
              "train_data": str(project / "data/prefs.jsonl")}, project, "trl-dpo")
