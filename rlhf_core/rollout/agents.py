@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_core.evaluation import completion_answer
+from rlhf_core.rollout.engines import Completion
 
 
 @dataclass
@@ -92,6 +93,9 @@ class Episode:
     action_mask: list[int] = field(default_factory=list)
     """Over the tokens after the prompt: 1 = sampled by the model, 0 = environment text."""
     engine_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    """Over the tokens after the prompt: the policy version of the engine when each was added (one
+    value unless a partial rollout continued the episode under newer weights)."""
     env_reward: float | None = None
     turns: int = 0
     finish_reason: str = "stop"
@@ -130,10 +134,41 @@ def environments(agent: str, agent_file: str | None, timeout: float):
     return LocalEnvironments(BUILTIN[agent])
 
 
+def generate_turn(engine, contexts: list[list[int]], budgets: list[int], temperature: float, seeds: list[int], segment: int,
+                  version) -> list[tuple[Completion, list[int]]]:
+    """One turn of every context: (completion, each token's policy version).  With `segment` > 0
+    (partial rollouts) it is generated `segment` tokens at a time and `version()` -- which first
+    lets a waiting weight sync in -- is asked before each piece: an episode interrupted by a sync
+    continues from its tokens so far under the new weights.  Piece p > 0 of a context samples
+    with its own seed (the first piece with the turn's, so segment=0 and one piece agree)."""
+    if segment <= 0:
+        v = version()
+        return [(out, [v] * len(out.token_ids)) for out in engine.generate(contexts, budgets, temperature, seeds)]
+    done = [(Completion([], [], "length"), []) for _ in contexts]
+    active, piece = list(range(len(contexts))), 0
+    while active:
+        v = version()
+        outs = engine.generate([contexts[i] + done[i][0].token_ids for i in active], [min(segment, budgets[i] - len(done[i][0].token_ids))
+                               for i in active], temperature, [seeds[i] + 1_000_003 * piece for i in active])
+        still = []
+        for i, out in zip(active, outs):
+            comp, versions = done[i]
+            comp.token_ids += out.token_ids
+            comp.logprobs += out.logprobs
+            versions += [v] * len(out.token_ids)
+            if out.finish_reason == "stop":
+                comp.finish_reason = "stop"
+            elif len(comp.token_ids) < budgets[i]:
+                still.append(i)
+        active, piece = still, piece + 1
+    return done
+
+
 def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int,
-                 temperature: float, max_len: int, max_turns: int = 8) -> list[Episode]:
+                 temperature: float, max_len: int, max_turns: int = 8, segment: int = 0, version=lambda: 0) -> list[Episode]:
     """Play one episode per (prompt, label, seed), all turns batched through the engine; `envs`
-    from `environments` (a fresh environment per episode)."""
+    from `environments` (a fresh environment per episode).  `segment`, `version`: partial
+    rollouts (`generate_turn`); `version()` is the engine's policy version."""
     eos = tokenizer.eos_token_id
     envs.new(len(prompts))
     episodes = []
@@ -149,14 +184,15 @@ def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str],
         for i in set(active) - set(runnable):
             episodes[i].finish_reason = "length"
         # one seed per (episode, turn): turns of one episode never reuse a random stream
-        outs = engine.generate([episodes[i].token_ids for i in runnable], [b for b in budget if b > 0], temperature,
-                               [seeds[i] * 8191 + turn for i in runnable]) if runnable else []
+        outs = generate_turn(engine, [episodes[i].token_ids for i in runnable], [b for b in budget if b > 0], temperature,
+                             [seeds[i] * 8191 + turn for i in runnable], segment, version) if runnable else []
         still = []
-        for i, out in zip(runnable, outs):
+        for i, (out, versions) in zip(runnable, outs):
             ep = episodes[i]
             ep.token_ids += out.token_ids
             ep.action_mask += [1] * len(out.token_ids)
             ep.engine_logprobs += out.logprobs
+            ep.token_versions += versions
             ep.turns += 1
             ep.finish_reason = out.finish_reason
             action = tokenizer.decode([t for t in out.token_ids if t != eos], skip_special_tokens=True)
@@ -174,6 +210,7 @@ def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str],
             ep.token_ids += fb
             ep.action_mask += [0] * len(fb)
             ep.engine_logprobs += [0.0] * len(fb)
+            ep.token_versions += [versions[-1]] * len(fb)
             still.append(i)
         active = still
     return episodes

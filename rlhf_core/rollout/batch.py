@@ -47,11 +47,14 @@ class RolloutBatch:
     policy_version: list[int]
     env_reward: list[float | None]
     filter: list[str]
-    """"kept" | "invalid" | "zero_variance_group" | "surplus" (DAPO dynamic sampling)."""
+    """"kept" | "invalid" | "zero_variance_group" | "surplus" (DAPO dynamic sampling) | "stale" (async, too old)."""
     # --- per token, (B, L)
     action_mask: Tensor
     engine_logprobs: Tensor
     """The engine's log-probs of its sampled tokens (0 on environment tokens)."""
+    token_versions: list[list[int]] | None = None
+    """Per response token, the policy version that generated it (partial rollouts: an episode can
+    span a weight sync; `policy_version` is the oldest)."""
     # --- the step's columns, None until their step ran
     reward: list[float] | None = None
     """Combined reward of the sources (NaN where invalid)."""
@@ -89,7 +92,8 @@ class RolloutBatch:
                    turns=[e["turns"] for e in episodes], finish_reason=[e["finish_reason"] for e in episodes],
                    policy_version=[e["policy_version"] for e in episodes], env_reward=[e["env_reward"] for e in episodes],
                    filter=["kept"] * len(episodes), action_mask=response_matrix([e["action_mask"] for e in episodes]),
-                   engine_logprobs=response_matrix([e["engine_logprobs"] for e in episodes]))
+                   engine_logprobs=response_matrix([e["engine_logprobs"] for e in episodes]),
+                   token_versions=[e["token_versions"] for e in episodes])
 
     def __len__(self) -> int:
         return len(self.prompt)

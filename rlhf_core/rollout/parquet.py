@@ -23,12 +23,14 @@ SCHEMA = pa.schema([
     ("values", pa.list_(F32)), ("action_mask", pa.list_(pa.int8())), ("reward", F32),
     ("reward_components", STR), ("score", F32), ("kl", F32), ("advantages", pa.list_(F32)), ("returns", pa.list_(F32)),
     ("response_length", I64), ("num_turns", I64), ("truncated", pa.bool_()), ("finish_reason", STR),
-    ("filter", STR), ("invalid_reason", STR),
+    ("filter", STR), ("invalid_reason", STR), ("token_versions", pa.list_(I64)),
 ])
 """`reward` = combined reward from the sources; `score` = reward after penalties (what the baseline
 sees); `kl` = summed per-token KL to the reference; `filter` = "kept" | "invalid" |
-"zero_variance_group" | "surplus" (DAPO dynamic sampling: a kept group beyond the step's batch);
-`reward_components` = JSON {source: value}."""
+"zero_variance_group" | "surplus" (DAPO dynamic sampling: a kept group beyond the step's batch) |
+"stale" (async: generated more than rl.max_staleness policy versions before the step's);
+`policy_version` = the version of the weights that generated the sample (the oldest, when a
+partial rollout spans a sync: `token_versions` has each response token's); `reward_components` = JSON {source: value}."""
 
 
 def _f(v):
@@ -60,6 +62,7 @@ def records(batch: RolloutBatch, run_id: str, step: int) -> list[dict]:
             "advantages": tokens("advantages"), "returns": tokens("returns"), "response_length": len(batch.token_ids[i]) - p,
             "num_turns": batch.turns[i], "truncated": batch.finish_reason[i] == "length", "finish_reason": batch.finish_reason[i],
             "filter": batch.filter[i], "invalid_reason": batch.invalid[i] if batch.invalid else None,
+            "token_versions": batch.token_versions[i] if batch.token_versions else None,
         })
     return out
 

@@ -9,6 +9,7 @@ Plain classes: `ray.remote(cls)` makes them actors, and tests can use them in-pr
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import asdict
 
@@ -20,9 +21,16 @@ from rlhf_core.runtime.actor import PeakMemory
 
 
 class RolloutWorker(PeakMemory):
+    """With `segment` > 0 (partial rollouts, rl.partial_rollout_tokens) the actor runs weight syncs
+    in a concurrency group of their own (`SYNC_GROUP`): a sync arriving mid-round waits only for
+    the piece being generated, and the episodes go on under the new weights.  The engine is used
+    by one thread at a time (`self.lock`)."""
+
+    SYNC_GROUP = "sync"
+
     def __init__(self, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
                  max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: bool = False,
-                 trust_remote_code: bool = False, threads: int = 1):
+                 trust_remote_code: bool = False, threads: int = 1, segment: int = 0):
         from rlhf_core.rollout.agents import environments
         from rlhf_core.rollout.engines import ENGINES
 
@@ -32,48 +40,81 @@ class RolloutWorker(PeakMemory):
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                       enable_sleep_mode=sleep, trust_remote_code=trust_remote_code)
         self.envs = environments(agent, agent_file, env_timeout)  # a user's file: in a process of its own, killed on a timeout
-        self.max_len, self.max_turns = max_len, max_turns
+        self.max_len, self.max_turns, self.segment = max_len, max_turns, segment
         self.version = 0
+        self.lock = threading.Lock()
+        self.syncs_waiting = 0
 
     def rollout(self, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int, temperature: float) -> list[dict]:
         """Play one episode per prompt; returns plain dicts (token ids, masks, engine log-probs)."""
         from rlhf_core.rollout.agents import run_episodes
 
         faults.hang("rollout")
-        episodes = run_episodes(self.engine, self.tokenizer, self.envs, prompts, labels, seeds, max_new_tokens, temperature,
-                                self.max_len, self.max_turns)
+        t0 = time.time()
+        episodes = run_episodes(Locked(self.engine, self.lock), self.tokenizer, self.envs, prompts, labels, seeds, max_new_tokens,
+                                temperature, self.max_len, self.max_turns, self.segment, self.current_version)
         out = []
         for ep in episodes:
             d = asdict(ep)
             d["response"] = self.tokenizer.decode(ep.token_ids[ep.prompt_len:], skip_special_tokens=True)
-            d["policy_version"] = self.version
+            d["policy_version"] = min(ep.token_versions, default=self.version)  # the oldest weights that wrote it
             out.append(d)
+        for d in out:
+            d["generated"] = (t0, time.time())  # this call's wall-clock interval (the rollout workers' busy time)
         return out
+
+    def current_version(self) -> int:
+        """Before each piece of a rollout: a weight sync waiting for the engine goes first."""
+        faults.slow_piece()
+        while self.syncs_waiting:
+            time.sleep(0.001)
+        return self.version
 
     def ready(self) -> bool:
         return True
 
     def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), 0.0, [0] * len(prompt_ids))
+        with self.lock:
+            outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), 0.0, [0] * len(prompt_ids))
         return [o.token_ids for o in outs]
 
     def sample(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int]) -> list[list[int]]:
-        outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), temperature, seeds)
+        with self.lock:
+            outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), temperature, seeds)
         return [o.token_ids for o in outs]
 
     def update_weights(self, named_tensors, version: int) -> float:
         """In-place weight sync from the trainer; returns seconds taken."""
         t0 = time.time()
         faults.hang("sync")
-        self.engine.update_weights(named_tensors)
-        self.version = version
+        self.syncs_waiting += 1  # one sync at a time (its own group of one thread): no race on the counter
+        try:
+            with self.lock:
+                if version >= self.version:
+                    self.engine.update_weights(named_tensors)
+                    self.version = version
+        finally:
+            self.syncs_waiting -= 1
         return time.time() - t0
 
     def sleep(self) -> None:
-        self.engine.sleep()
+        with self.lock:
+            self.engine.sleep()
 
     def wake_up(self) -> None:
-        self.engine.wake_up()
+        with self.lock:
+            self.engine.wake_up()
+
+
+class Locked:
+    """An engine whose `generate` holds `lock` for the call (one piece of a partial rollout)."""
+
+    def __init__(self, engine, lock: threading.Lock):
+        self.engine, self.lock = engine, lock
+
+    def generate(self, *args):
+        with self.lock:
+            return self.engine.generate(*args)
 
 
 class RewardWorker(PeakMemory):

@@ -11,6 +11,8 @@ RLHF_FAULT holds one fault:
                          champion and switching to it)
   slow_steps:S           every optimizer step of a training worker takes S seconds longer (sft, rm, dpo,
                          rl): a test can act mid-training although the tiny model trains 8 steps in a second
+  slow_pieces:S          a rollout worker sleeps S seconds before each generate call (each piece of a partial
+                         rollout): weight syncs then land mid-round
 RLHF_FAULT_ONCE=PATH makes the fault fire at most once: firing creates PATH, and a fault whose PATH
 exists stays quiet, so a retried stage runs clean (the Prefect-retry test relies on this).
 """
@@ -65,6 +67,13 @@ def sigkill_at(point: str) -> None:
 def slow_step() -> None:
     """`slow_steps:S`: the training worker sleeps S seconds in each optimizer step."""
     arg = armed("slow_steps")
+    if arg:
+        time.sleep(float(arg))
+
+
+def slow_piece() -> None:
+    """`slow_pieces:S`: the rollout worker sleeps S seconds before each generate call."""
+    arg = armed("slow_pieces")
     if arg:
         time.sleep(float(arg))
 

