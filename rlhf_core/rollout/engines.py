@@ -52,12 +52,14 @@ def _reload_weights(worker, items) -> None:
 
 class VLLMEngine:
     def __init__(self, model_path: str, max_model_len: int, seed: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05,
-                 enable_sleep_mode: bool = False, trust_remote_code: bool = False):
+                 enable_sleep_mode: bool = False, trust_remote_code: bool = False, sleep_level: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight updates are plain calls
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
-        self.sleep_enabled = enable_sleep_mode
+        # level 1: weights to CPU memory, KV cache freed; level 2: both freed (the weight sync
+        # after the update writes them again: less memory, no copy back)
+        self.sleep_enabled, self.sleep_level = enable_sleep_mode, sleep_level
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=True, seed=seed, enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code,
                        # log-probs of the distribution sampled from (after temperature), as the
@@ -81,7 +83,7 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         if self.sleep_enabled:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
 
     def wake_up(self) -> None:
         if self.sleep_enabled:

@@ -29,7 +29,7 @@ class RolloutWorker(PeakMemory):
     SYNC_GROUP = "sync"
 
     def __init__(self, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
-                 max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: bool = False,
+                 max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: int = 0,
                  trust_remote_code: bool = False, threads: int = 1, segment: int = 0):
         from rlhf_core.rollout.agents import environments
         from rlhf_core.rollout.engines import ENGINES
@@ -38,7 +38,7 @@ class RolloutWorker(PeakMemory):
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         # every engine takes the same settings and ignores what it has no use for (hf: memory, sleep)
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                                      enable_sleep_mode=sleep, trust_remote_code=trust_remote_code)
+                                      enable_sleep_mode=bool(sleep), sleep_level=int(sleep) or 1, trust_remote_code=trust_remote_code)
         self.envs = environments(agent, agent_file, env_timeout)  # a user's file: in a process of its own, killed on a timeout
         self.max_len, self.max_turns, self.segment = max_len, max_turns, segment
         self.version = 0

@@ -39,6 +39,15 @@ class TrainWorker(PeakMemory):
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
+    # --- memory (the hybrid engine: rl.offload_trainer) ---------------------------------------
+
+    def offload_states(self) -> None:
+        """Weights, gradients and optimizer state to CPU memory (DeepSpeed ZeRO, GPUs)."""
+        self.engine.offload_states()
+
+    def reload_states(self) -> None:
+        self.engine.reload_states()
+
     # --- training -------------------------------------------------------------------------
 
     def train_step(self, batch: dict, loss_fn, counts: dict) -> dict:

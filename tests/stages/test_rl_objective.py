@@ -70,13 +70,16 @@ def test_clip_higher_tis_and_temperature_reach_the_policy_loss():
     assert policy(Config(clip_high=0.28, temperature=0.7))(batch(0.7, 1.25)) == pytest.approx(-1.25, abs=1e-6)
 
 
-def test_async_settings_are_checked_at_config_time():
+def test_async_and_hybrid_engine_settings_are_checked_at_config_time():
     with pytest.raises(ConfigError, match="set rl.layout=separate"):
         from_dict(Config, {"mode": "async"})
     with pytest.raises(ConfigError, match="max_staleness must be >= 1"):
         from_dict(Config, {"mode": "async", "layout": "separate", "max_staleness": 0})
     with pytest.raises(ConfigError, match="partial_rollout_tokens .* needs rl.mode=async"):
         from_dict(Config, {"partial_rollout_tokens": 2})
+    with pytest.raises(ConfigError, match="rl.offload_trainer frees the trainers' GPU memory"):
+        from_dict(Config, {"offload_trainer": True, "zero_stage": 1})  # no GPU
+    assert from_dict(Config, {"offload_trainer": True, "zero_stage": 1, "gpus_per_worker": 1.0}).offload_trainer
     cfg = from_dict(Config, {"mode": "async", "layout": "separate", "partial_rollout_tokens": 2})
     assert rl.recompute_old(cfg)  # the trainer's proximal log-probs: the samples are older than its weights
     assert not rl.recompute_old(from_dict(Config, {}))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, on one NVIDIA GPU (not runnable on the CPU machines this project is
+# built on): the `gpu`-marked tests -- sft on GPU, colocated vLLM with sleep level 1, and the
+# hybrid engine (vLLM sleep level 2 + DeepSpeed state offload while generating).
+#
+# Needs: an NVIDIA driver, python3.11 and pip access to PyPI (torch with CUDA, vllm, deepspeed:
+# `pip install -e ".[gpu,dev]"`, ~10 GB, several minutes).  The checks themselves take ~5 min.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-gpu}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q -e ".[gpu,dev]"
+"$VENV/bin/python" -m pytest -m gpu -n 0 -p no:cacheprovider tests/gpu
