@@ -275,9 +275,9 @@ class Roles:
             model_path, cfg.dtype, cfg.trust_remote_code, threads if colocated else 1)
         # partial rollouts: weight syncs in a thread of their own, beside the round being generated
         self.sync_group = RolloutWorker.SYNC_GROUP if cfg.partial_rollout_tokens > 0 else None
-        groups = {"concurrency_groups": {self.sync_group: 1}} if self.sync_group else {}
+        actor = ray.remote(concurrency_groups={self.sync_group: 1})(RolloutWorker) if self.sync_group else ray.remote(RolloutWorker)
         self.rollout = [
-            ray.remote(RolloutWorker).options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus), runtime_env=env, **groups).remote(
+            actor.options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus), runtime_env=env).remote(
                 cfg.engine, model_path, cfg.max_len, cfg.seed + i, cfg.agent, cfg.agent_file and str(Path(cfg.agent_file).resolve()),
                 cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep and cfg.engine_sleep_level,
                 cfg.trust_remote_code, threads,

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_core.evaluation import completion_answer
-from rlhf_core.rollout.engines import Completion
 
 
 @dataclass
@@ -135,12 +134,14 @@ def environments(agent: str, agent_file: str | None, timeout: float):
 
 
 def generate_turn(engine, contexts: list[list[int]], budgets: list[int], temperature: float, seeds: list[int], segment: int,
-                  version) -> list[tuple[Completion, list[int]]]:
+                  version) -> list[tuple]:
     """One turn of every context: (completion, each token's policy version).  With `segment` > 0
     (partial rollouts) it is generated `segment` tokens at a time and `version()` -- which first
     lets a waiting weight sync in -- is asked before each piece: an episode interrupted by a sync
     continues from its tokens so far under the new weights.  Piece p > 0 of a context samples
     with its own seed (the first piece with the turn's, so segment=0 and one piece agree)."""
+    from rlhf_core.rollout.engines import Completion  # here: the environment host process imports this module, without torch
+
     if segment <= 0:
         v = version()
         return [(out, [v] * len(out.token_ids)) for out in engine.generate(contexts, budgets, temperature, seeds)]

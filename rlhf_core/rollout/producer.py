@@ -108,7 +108,7 @@ class RolloutProducer:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = state["cursor"]
-        self.queue = deque(Round(start, [], [], batch, busy) for start, batch, busy in state["rounds"])
+        self.queue = deque(Round(start, [], batch=batch, busy_s=busy) for start, batch, busy in state["rounds"])
 
     # --- internals
 

@@ -65,7 +65,6 @@ class RolloutWorker(PeakMemory):
 
     def current_version(self) -> int:
         """Before each piece of a rollout: a weight sync waiting for the engine goes first."""
-        faults.slow_piece()
         while self.syncs_waiting:
             time.sleep(0.001)
         return self.version
@@ -114,7 +113,9 @@ class Locked:
 
     def generate(self, *args):
         with self.lock:
-            return self.engine.generate(*args)
+            out = self.engine.generate(*args)
+            faults.slow_piece()  # a slow engine, for the tests: a sync arriving now waits for the piece
+            return out
 
 
 class RewardWorker(PeakMemory):

@@ -11,8 +11,8 @@ RLHF_FAULT holds one fault:
                          champion and switching to it)
   slow_steps:S           every optimizer step of a training worker takes S seconds longer (sft, rm, dpo,
                          rl): a test can act mid-training although the tiny model trains 8 steps in a second
-  slow_pieces:S          a rollout worker sleeps S seconds before each generate call (each piece of a partial
-                         rollout): weight syncs then land mid-round
+  slow_pieces:S          each generate call of a rollout (each piece of a partial rollout) takes S seconds
+                         longer, holding the engine: weight syncs then land mid-round
 RLHF_FAULT_ONCE=PATH makes the fault fire at most once: firing creates PATH, and a fault whose PATH
 exists stays quiet, so a retried stage runs clean (the Prefect-retry test relies on this).
 """
@@ -72,7 +72,7 @@ def slow_step() -> None:
 
 
 def slow_piece() -> None:
-    """`slow_pieces:S`: the rollout worker sleeps S seconds before each generate call."""
+    """`slow_pieces:S`: each rollout generate call takes S seconds longer."""
     arg = armed("slow_pieces")
     if arg:
         time.sleep(float(arg))
