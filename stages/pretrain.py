@@ -32,8 +32,10 @@ class Config(TrainConfig):
     eval_data: str = "data/eval.jsonl"
     """Task prompts with labels: `eval/accuracy` tells how much of the task the base model already does."""
     output_dir: str = "artifacts/pretrain"
-    max_steps: int = 400
-    save_steps: int = 100
+    max_steps: int = 800
+    """At 400 steps the base sits on its late jump in task accuracy (0.31-0.725 over seeds and CPUs);
+    at 800 it is past it (0.955-1.0): the chain below starts from the same place everywhere."""
+    save_steps: int = 200
     log_steps: int = 25
     global_batch_size: int = 16
     """Packed windows per step (global_batch_size x max_len tokens)."""

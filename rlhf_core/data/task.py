@@ -38,7 +38,8 @@ class TaskConfig:
     reverse (`45-21=42` shown as ` 42` -> ` 24`).  SFT imitates it; the preference pairs, the
     verifier and the pretraining corpus do not carry it, so RL (and DPO) have something to fix."""
     sft_slip_op: str = "-"
-    sft_slip_rate: float = 0.6
+    sft_slip_rate: float = 0.85
+    """On the 800-step base: sft 0.57-0.625 greedy, the right answer still sampled, RL +0.16-0.19."""
     num_pref: int = 3000
     """Preference pairs (prompt, chosen = correct, rejected = plausible wrong)."""
     num_rl: int = 2000

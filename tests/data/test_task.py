@@ -32,7 +32,7 @@ def test_labels_correct_and_wrong_fraction():
     minus = [r for r in s["sft"] if "-" in r["prompt"]]
     plus = [r for r in s["sft"] if "-" not in r["prompt"]]
     reversed_ = [r for r in minus if not r["correct"] and r["response"].strip() == answers[r["id"]][::-1]]
-    assert 0.45 < len(reversed_) / len(minus) < 0.8   # 0.75 of the 90% not drawn wrong, palindromes stay right
+    assert 0.45 < len(reversed_) / len(minus) < 0.8   # ~0.69: 0.85 of the 90% not drawn wrong, palindromes stay right
     assert sum(not r["correct"] for r in plus) / len(plus) < 0.2
     none = generate_task(TaskConfig(**{**SMALL.__dict__, "sft_slip": "none"}), seed=0)
     assert sum(not r["correct"] for r in none["sft"]) == 30

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("learning")]
 
 @pytest.fixture(scope="module")
 def chain_project(tmp_path_factory):
-    """The default task (4000 sft rows, half of them subtractions with the 60% slip)."""
+    """The default task (4000 sft rows, half of them subtractions with the 85% slip)."""
     root = tmp_path_factory.mktemp("chain")
     proc = rlhf("prepare", "--params", "none.yaml", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,9 +31,13 @@ def stage(project, ray_head, name: str, out: str, *args: str) -> dict:
     return json.loads((project / out / "metrics.json").read_text())
 
 
+def history(project, out: str) -> list[dict]:
+    return [json.loads(line) for line in (project / out / "train_history.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def pretrained(chain_project, ray_head):
-    m = stage(chain_project, ray_head, "pretrain", "artifacts/learn_pretrain", "--set", "pretrain.max_steps=400", "--set", "pretrain.save_steps=400",
+    m = stage(chain_project, ray_head, "pretrain", "artifacts/learn_pretrain", "--set", "pretrain.save_steps=800",
               "--set", "pretrain.mixed_precision=bf16", "--set", "pretrain.log_steps=100")
     return "artifacts/learn_pretrain/model", m
 
@@ -47,12 +51,17 @@ def sft(chain_project, ray_head, pretrained):
 
 def test_pretrain_learns_the_task_from_the_corpus(pretrained):
     m = pretrained[1]
-    assert m["eval/accuracy_init"] == 0.0 and m["eval/accuracy"] >= 0.4 and m["eval/loss"] < 1.0, m  # 0.665, loss 0.57
+    assert m["eval/accuracy_init"] == 0.0 and m["eval/accuracy"] >= 0.8 and m["eval/loss"] < 0.5, m  # 0.975, loss 0.26
 
 
-def test_sft_learns_the_format_and_the_annotators_slip(sft, pretrained):
+def test_sft_learns_the_annotators_slip(chain_project, sft, pretrained):
     m = sft[1]
-    assert m["eval/accuracy"] >= 0.6 and m["eval/loss"] < pretrained[1]["eval/loss"] - 0.2, m  # 0.83, loss 0.21
+    # the base already answers (0.975); sft imitates the demonstrations, 85% of whose subtractions are
+    # reversed: greedy accuracy falls to about the additions' half (0.625: subtractions 0.20 right,
+    # 0.53 reversed) -- neither the base's figure (nothing learned) nor a collapse (format lost)
+    assert 0.5 <= m["eval/accuracy"] <= pretrained[1]["eval/accuracy"] - 0.2, m
+    loss = [r["train/loss"] for r in history(chain_project, "artifacts/learn_sft") if "train/loss" in r]
+    assert sum(loss[-10:]) / 10 < sum(loss[:10]) / 10 - 0.5, (loss[:10], loss[-10:])  # 1.04 -> 0.26
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +100,7 @@ def test_rlhf_on_the_reward_model_lifts_gold_accuracy(chain_project, ray_head, s
               "--set", f"rl.reward_model={reward_model[0]}", *RL)
     assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.83 -> 0.96
     # optimising the reward model raised the gold (verifiable) reward of the samples with it
-    rows = [json.loads(line) for line in (chain_project / "artifacts/learn_rlhf/train_history.jsonl").read_text().splitlines()]
+    rows = history(chain_project, "artifacts/learn_rlhf")
     first, last = rows[:3], rows[-3:]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     assert mean(last, "train/reward_proxy") > mean(first, "train/reward_proxy") + 0.2, (first, last)
