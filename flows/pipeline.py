@@ -27,7 +27,7 @@ from prefect.runtime import flow_run, task_run
 from prefect.states import Completed, State
 
 from flows import promotion, report
-from rlhf_core import registry
+from rlhf_core import atomic, registry
 
 
 class StageFailed(RuntimeError):
@@ -200,8 +200,7 @@ def apply_overrides(repo: Path, overrides: list[str]) -> None:
         for p in parts[:-1]:
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = yaml.load(value) if value else value
-    with open(path, "w") as f:
-        yaml.dump(data, f)
+    atomic.write_text(path, yaml.dump(data))  # a kill mid-write keeps the old params.yaml, never half of it
 
 
 def _value(result):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_core import registry
+from rlhf_core import atomic, registry
 
 CURVES = ("train/loss", "train/reward_gold", "train/reward_proxy", "rl/kl", "rl/response_length")
 """History tags drawn per stage where it logs them (rl: gold vs proxy reward, the over-optimisation pair)."""
@@ -114,5 +114,5 @@ def build(repo: str | Path) -> str:
 def write(repo: str | Path, out: str | Path | None = None) -> Path:
     path = Path(out) if out else Path(repo) / "reports" / "pipeline.html"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(build(repo))
+    atomic.write_text(path, build(repo))
     return path

@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from rlhf_core import atomic
 from rlhf_core.algos.losses import dpo_loss, kto_loss, token_logprobs
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
@@ -138,7 +139,7 @@ def build_spec(cfg: Config, out_dir: Path):
         else:
             values = group.call_rank0("evaluate", common.batches(plain, pairs, cfg.eval_batch_size), ref_logps_fn)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps({"key": key, "logps": values}))
+            atomic.write_text(cache, json.dumps({"key": key, "logps": values}))
         for pair, (c, r) in zip(pairs, values):
             pair["ref_chosen"], pair["ref_rejected"] = c, r
         # the held-out pairs' reference too: these are the starting weights on every run, resumed or not
@@ -178,7 +179,7 @@ def run(cfg: Config) -> dict:
     rows, held_out_metrics = held_out_rewards(group)
     metrics.update(held_out_metrics)
     if rows:
-        (out_dir / "eval_pair_rewards.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        atomic.write_text(out_dir / "eval_pair_rewards.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     save_final_model(group, out_dir, tokenizer, common.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
     common.finish(out_dir, "dpo", cfg, metrics, extra_inputs=(cfg.eval_pairs,) if rows else ())
     return metrics

@@ -21,12 +21,12 @@ prompts with random wrong answers) and the reward mean/std there, saved with the
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from rlhf_core import atomic
 from rlhf_core.algos.aggregation import masked_sum, pool_response
 from rlhf_core.algos.losses import RM_LOSSES, rm_centering_loss, token_logprobs
 from rlhf_core.training import common
@@ -137,8 +137,8 @@ def run(cfg: Config) -> dict:
                              f"Bradley-Terry loss. Reward = {where} (`reward_stats.json` has the pooling and the normalisation).")
     model_dir = save_final_model(group, out_dir, tokenizer, card)
     # what the rl stage uses to normalise rewards from this model
-    (model_dir / "reward_stats.json").write_text(json.dumps({"mean": metrics["eval/reward_mean"], "std": metrics["eval/reward_std"],
-                                                             "pooling": cfg.pooling}, indent=2))
+    stats = {"mean": metrics["eval/reward_mean"], "std": metrics["eval/reward_std"], "pooling": cfg.pooling}
+    atomic.write_json(model_dir / "reward_stats.json", stats)
     common.finish(out_dir, "rm", cfg, metrics)
     return metrics
 

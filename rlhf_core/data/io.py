@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from rlhf_core import atomic
+
 SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label"), "text": ("text",),
            "unpaired": ("prompt", "completion")}
 """Text columns per data kind; `unpaired` (KTO) also needs a boolean `label` (true: desirable)."""
@@ -154,9 +156,7 @@ def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_char
     reasons = Counter(r["reason"].split(" (")[0] for r in rejects)
     rejects_path = Path(rejects_path)
     rejects_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(rejects_path, "w") as f:
-        for r in rejects:
-            f.write(json.dumps(r, ensure_ascii=True) + "\n")
+    atomic.write_text(rejects_path, "".join(json.dumps(r, ensure_ascii=True) + "\n" for r in rejects))
     result = LoadResult(rows, total, len(rejects), reasons, rejects_path)
     if total == 0 or not rows:
         raise DataError(f"{path}: no valid {kind} rows ({len(rejects)} rejected; see {rejects_path})")
@@ -176,6 +176,4 @@ def _preview(row: dict, limit: int = 500) -> str:
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))

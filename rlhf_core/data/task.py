@@ -156,9 +156,8 @@ def generate_task(cfg: TaskConfig, seed: int) -> dict[str, list[dict]]:
         splits["eval"].append({"id": f"eval-{i:06d}", "prompt": format_prompt(expr), "label": answer_text(cfg, ans)})
     for i, (expr, ans) in enumerate(held_out[cfg.num_eval :]):
         wrong = plausible_wrong(rng, ans, cfg.allow_negative)
-        splits["eval_pref"].append(
-            {"id": f"eval_pref-{i:06d}", "prompt": format_prompt(expr), "chosen": format_response(answer_text(cfg, ans)), "rejected": format_response(answer_text(cfg, wrong))}
-        )
+        splits["eval_pref"].append({"id": f"eval_pref-{i:06d}", "prompt": format_prompt(expr),
+                                    "chosen": format_response(answer_text(cfg, ans)), "rejected": format_response(answer_text(cfg, wrong))})
 
     n_wrong = round(cfg.num_sft * cfg.sft_wrong_fraction)
     sft = _unique_problems(rng, cfg, cfg.num_sft, exclude=eval_exprs)
@@ -184,7 +183,8 @@ def generate_task(cfg: TaskConfig, seed: int) -> dict[str, list[dict]]:
     far = random.Random(f"{seed}-eval-pref-random")
     top = max(int(r["chosen"]) for r in splits["eval_pref"]) if splits["eval_pref"] else 0
     splits["eval_pref_random"] = [
-        {**r, "id": r["id"].replace("eval_pref", "eval_pref_random"), "rejected": format_response(answer_text(cfg, random_wrong(far, int(r["chosen"]), top)))}
+        {**r, "id": r["id"].replace("eval_pref", "eval_pref_random"),
+         "rejected": format_response(answer_text(cfg, random_wrong(far, int(r["chosen"]), top)))}
         for r in splits["eval_pref"]
     ]
     check_no_overlap(splits)

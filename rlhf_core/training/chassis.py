@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
+from rlhf_core import atomic
 from rlhf_core.runtime import stage_lock
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.config import TrainConfig
@@ -303,7 +304,7 @@ def trim_history(path: Path, step: int) -> None:
     """On resume: drop the rows a killed run logged after its last checkpoint."""
     if path.exists():
         rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in rows))
+        atomic.write_text(path, "".join(line + "\n" for line in rows))  # a kill here keeps the old file, never half of it
 
 
 def final_metrics(state: RunState, steplog: StepLog) -> dict:

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict, restore_secrets
 from rlhf_core.data.io import DataError, load_rows
@@ -47,7 +48,7 @@ def load_data(path: str, kind: str, cfg: TrainConfig, rejects_path: Path) -> lis
 def check_too_long(rejects: list[dict], total: int, cfg: TrainConfig, path: Path) -> None:
     """Rows over max_len tokens are rejected with a reason, counted, and fail the load above the ratio."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rejects))
+    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rejects))
     if rejects:
         log.warning("%d of %d rows over max_len=%d tokens rejected; see %s", len(rejects), total, cfg.max_len, path)
     if total and len(rejects) / total > cfg.max_reject_ratio:
@@ -88,11 +89,11 @@ def model_card(stage: str, cfg: TrainConfig, metrics: dict, what: str) -> str:
 def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict, extra_inputs: tuple = ()) -> None:
     """metrics.json + manifest.json (checkpoints/ excluded: they carry their own checksums).
     `extra_inputs`: further files/dirs the result depends on (reward model, reward/agent code)."""
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    atomic.write_json(out_dir / "metrics.json", metrics)
     history = out_dir / "train_history.jsonl"
     if history.exists():  # `dvc plots` reads JSON (a list of rows), not JSON lines
         rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
-        (out_dir / "train_history.json").write_text(json.dumps(rows))
+        atomic.write_text(out_dir / "train_history.json", json.dumps(rows))
     records = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p and Path(p).exists()]
     inputs = list({r["path"]: r for r in records}.values())  # train and eval data often share one artifact
     write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,

@@ -57,7 +57,8 @@ def test_no_overlap_and_overlap_detected():
 def test_precedence_and_knobs():
     assert _evaluate([2, 3, 4], ["+", "*"]) == 14
     assert _evaluate([10, 2, 3], ["-", "-"]) == 5
-    s = generate_task(TaskConfig(operations=("*",), max_value=9, num_operands=3, num_sft=20, num_pref=5, num_rl=5, num_eval=5, num_eval_pref=5), seed=0)
+    cfg = TaskConfig(operations=("*",), max_value=9, num_operands=3, num_sft=20, num_pref=5, num_rl=5, num_eval=5, num_eval_pref=5)
+    s = generate_task(cfg, seed=0)
     assert all(r["prompt"].count("*") == 2 for r in s["sft"])
 
 
@@ -82,7 +83,8 @@ def test_fixed_width_format():
 
 def test_no_carry_knob():
     def no_carry(prompt):
-        a, op, b = prompt.removeprefix("Q: ").removesuffix("= A:").partition("+") if "+" in prompt else prompt.removeprefix("Q: ").removesuffix("= A:").partition("-")
+        expr = prompt.removeprefix("Q: ").removesuffix("= A:")
+        a, op, b = expr.partition("+") if "+" in expr else expr.partition("-")
         a, b = a.zfill(3), b.zfill(3)
         return all((int(x) + int(y) <= 9) if op == "+" else (int(x) >= int(y)) for x, y in zip(a, b))
 
