@@ -150,6 +150,8 @@ class Config(TrainConfig):
     clip_high: float | None = None
     """Upper clip range (DAPO clip-higher: e.g. 0.28 with ppo); unset: ppo 0.2, gspo 4e-4."""
     dual_clip: float | None = None
+    """Dual-clip PPO (Ye et al. 2020): bound the loss of negative-advantage tokens at dual_clip x A
+    (e.g. 3.0); ppo only (gspo's ratio is per sequence)."""
     loss_agg_mode: Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None = None
     """Loss aggregation; unset: the loss type's default (ppo token-mean, gspo seq-mean-token-mean)."""
     entropy_coef: float = 0.0
@@ -194,6 +196,8 @@ class Config(TrainConfig):
         super().__post_init__()
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 for rollouts (sampling), got {self.temperature}")
+        if self.dual_clip is not None and self.loss_type != "ppo":
+            raise ValueError(f"dual_clip applies to loss_type=ppo only (got loss_type={self.loss_type}): unset it")
         if self.engine_sleep and (self.engine != "vllm" or (self.gpus_per_worker if self.layout == "colocated" else self.rollout_gpus) <= 0):
             raise ValueError("engine_sleep frees a vLLM engine's GPU memory during updates: it needs engine=vllm and GPUs for the "
                              "rollout engines (gpus_per_worker with layout=colocated, rollout_gpus with layout=separate); the hf engine "
@@ -567,8 +571,9 @@ def train_on(roles: Roles, cfg: Config, obj: Objective, kept: RolloutBatch, step
     every rank skipped the policy update)."""
     tic = time.time()
     kept = forward_stats(roles, cfg, kept, obj.collate)
-    kept, adv_stats = rl_step.compute_advantages(kept, cfg.algo, obj.kl.value, cfg.kl_mode == "reward", cfg.kl_estimator, cfg.gamma,
-                                                 cfg.lam, cfg.whiten_gae, cfg.reward_clip, cfg.kl_clamp, cfg.singleton_group)
+    kept, adv_stats = rl_step.compute_advantages(kept, cfg.algo, kl_coef=obj.kl.value, kl_in_reward=cfg.kl_mode == "reward",
+                                                 kl_estimator=cfg.kl_estimator, gamma=cfg.gamma, lam=cfg.lam, whiten_gae=cfg.whiten_gae,
+                                                 reward_clip=cfg.reward_clip, kl_clamp=cfg.kl_clamp, singleton_group=cfg.singleton_group)
     times["forward_s"], tic = time.time() - tic, time.time()
     if cfg.engine_sleep:
         roles.sleep_engines()

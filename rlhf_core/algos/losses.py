@@ -100,7 +100,6 @@ def gspo_policy_loss(
     response_mask: Tensor,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
-    dual_clip: float | None = None,
     is_weights: Tensor | None = None,
     agg_mode: str = "seq-mean-token-mean",
     num_tokens=None,
@@ -111,7 +110,6 @@ def gspo_policy_loss(
     s_i = exp(mean_t (logprobs - old_logprobs)) clipped to [1 - lo, 1 + hi], applied per token as
     s_it = sg(s_i) * exp(logprobs_t - sg(logprobs_t)) so the gradient is the token-level one
     scaled by s_i.  Paper defaults: lo = 3e-4, hi = 4e-4, seq-mean-token-mean aggregation.
-    `dual_clip` is accepted for a uniform signature and ignored.
     """
     mask = response_mask.to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs

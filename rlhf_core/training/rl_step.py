@@ -33,7 +33,7 @@ from rlhf_core.rollout.batch import RolloutBatch
 # the per-token columns the trainers read
 TRAIN_COLUMNS = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
 
-def compute_advantages(batch: RolloutBatch, algo: str, kl_coef: float, kl_in_reward: bool, kl_estimator: str, gamma: float,
+def compute_advantages(batch: RolloutBatch, algo: str, *, kl_coef: float, kl_in_reward: bool, kl_estimator: str, gamma: float,
                        lam: float, whiten_gae: bool, reward_clip: float | None, kl_clamp: float | None = None,
                        singleton_group: str = "zero") -> tuple[RolloutBatch, dict]:
     """The batch with `advantages`, `returns`, `kl` (per token) and `centred_score`, and the batch's
@@ -146,8 +146,10 @@ class PolicyObjective:
                                                                    low=self.is_low, high=self.is_high)
             if self.is_batch_normalize:
                 is_weights = batch_normalise_is(is_weights, mask, per_sequence=self.is_correction in SEQUENCE_LEVEL_IS)
+        # dual_clip only where set: the config allows it with ppo alone, and gspo has no such knob
+        own = {"dual_clip": self.dual_clip} if self.dual_clip is not None else {}
         loss, pstats = POLICY_LOSSES[self.loss_type](lp, old, batch["advantages"], mask, clip_low=self.clip_low,
-                                                     clip_high=self.clip_high, dual_clip=self.dual_clip, is_weights=is_weights, **agg)
+                                                     clip_high=self.clip_high, is_weights=is_weights, **own, **agg)
         stats.update(pstats)
         if self.kl_loss_coef:
             kl = kl_penalty(lp, batch["ref_logprobs"], self.kl_estimator, self.kl_clamp)

@@ -40,6 +40,13 @@ def policy(cfg: Config):
     return lambda b: float(loss_fn(model, b, {"num_tokens": 2, "num_seqs": 1})[0])
 
 
+def test_dual_clip_is_ppo_only():
+    """gspo's loss has no dual clip: the setting was accepted and silently ignored."""
+    with pytest.raises(ConfigError, match="dual_clip applies to loss_type=ppo only"):
+        from_dict(Config, {"loss_type": "gspo", "dual_clip": 3.0})
+    assert from_dict(Config, {"dual_clip": 3.0}).dual_clip == 3.0
+
+
 def test_gspo_gets_its_own_clip_range_and_aggregation_unless_set():
     """GSPO's paper clips the *sequence* ratio to [1 - 3e-4, 1 + 4e-4] and averages per
     sequence; through the stage it used to get PPO's ±0.2 (clipping almost nothing) and token-mean."""
