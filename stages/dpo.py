@@ -15,6 +15,7 @@ from typing import Literal
 
 from rlhf_core import atomic
 from rlhf_core.algos.losses import dpo_loss, kto_loss, token_logprobs
+from rlhf_core.data.tokenize import prompt_response
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
@@ -95,7 +96,6 @@ def load_unpaired(cfg: Config, tokenizer, fmt, rejects_dir: Path) -> list[dict]:
     """KTO rows as the pair layout the workers batch: `chosen` = prompt_i + completion_i,
     `rejected` = prompt_i + completion_{i+1} (a mismatched completion, for KTO's KL reference
     point; fixed at load, so resumes see the same), `desirable` = the label as 1.0 / 0.0."""
-    from rlhf_core.data.tokenize import prompt_response
 
     rows = common.load_data(cfg.train_data, "unpaired", cfg, rejects_dir / "train.jsonl")
     if len(rows) < 2:

@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 from rlhf_core import atomic
+from rlhf_core.config import redact
 
 MANIFEST = "manifest.json"
 # persisted for resume with their own checksums, or scratch: not part of the artifact
@@ -114,7 +115,6 @@ def current_run_ids() -> dict:
 def write_manifest(out_dir: str | Path, *, stage: str, config: dict, config_sha256: str, inputs: list[dict],
                    metrics: dict | None = None, seed: int | None = None, run_ids: dict | None = None) -> dict:
     """Hash everything in `out_dir` and write its manifest atomically (tmp + fsync + rename)."""
-    from rlhf_core.config import redact
 
     out_dir = Path(out_dir)
     manifest = {

@@ -16,6 +16,7 @@ from rlhf_core.data.io import DataError, load_rows
 from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.models import load as models_load
+from rlhf_core.runtime import stage_lock
 from rlhf_core.training.config import TrainConfig
 
 log = logging.getLogger("rlhf.stage")
@@ -115,7 +116,6 @@ def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray:
     cfg = from_dict(cls, restore_secrets(data.get("config", data), secrets), prefix=f"{section}.")
     output_dir = getattr(cfg, "output_dir", None) if needs_ray else None  # prepare writes data/ and base/ in-process
     if output_dir:
-        from rlhf_core.runtime import stage_lock
 
         try:
             stage_lock.acquire(output_dir, section)
