@@ -200,7 +200,11 @@ def apply_overrides(repo: Path, overrides: list[str]) -> None:
         for p in parts[:-1]:
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = yaml.load(value) if value else value
-    atomic.write_text(path, yaml.dump(data))  # a kill mid-write keeps the old params.yaml, never half of it
+
+    def dump(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            yaml.dump(data, f)  # ruamel: comments kept; it writes to a stream only
+    atomic.write_with(path, dump)  # a kill mid-write keeps the old params.yaml, never half of it
 
 
 def _value(result):

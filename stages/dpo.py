@@ -96,7 +96,6 @@ def load_unpaired(cfg: Config, tokenizer, fmt, rejects_dir: Path) -> list[dict]:
     """KTO rows as the pair layout the workers batch: `chosen` = prompt_i + completion_i,
     `rejected` = prompt_i + completion_{i+1} (a mismatched completion, for KTO's KL reference
     point; fixed at load, so resumes see the same), `desirable` = the label as 1.0 / 0.0."""
-
     rows = common.load_data(cfg.train_data, "unpaired", cfg, rejects_dir / "train.jsonl")
     if len(rows) < 2:
         raise ValueError(f"dpo.loss_type=kto needs at least 2 rows in {cfg.train_data} "

@@ -115,7 +115,6 @@ def current_run_ids() -> dict:
 def write_manifest(out_dir: str | Path, *, stage: str, config: dict, config_sha256: str, inputs: list[dict],
                    metrics: dict | None = None, seed: int | None = None, run_ids: dict | None = None) -> dict:
     """Hash everything in `out_dir` and write its manifest atomically (tmp + fsync + rename)."""
-
     out_dir = Path(out_dir)
     manifest = {
         "stage": stage,

@@ -133,7 +133,6 @@ SECRETS_ENV = "RLHF_CONFIG_SECRETS"
 def secrets_env(cfg) -> dict[str, str]:
     """The config's credentials (redacted in `config.resolved.json`) for the job's environment,
     where `stage_main` puts them back; empty when it has none."""
-
     secrets = config_secrets(cfg)
     return {SECRETS_ENV: json.dumps(secrets)} if secrets else {}
 
@@ -141,7 +140,6 @@ def secrets_env(cfg) -> dict[str, str]:
 def forward_env() -> dict[str, str]:
     """Environment the job needs from ours (threading, offline flags, fault injection, run ids):
     an allow-list, never secrets; plus what `RLHF_FORWARD_ENV` names (`runtime/env.py`)."""
-
     keys = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "RLHF_FAULT", "RLHF_FAULT_ONCE", "RLHF_PREFECT_FLOW_RUN_ID",
             "RLHF_PREFECT_TASK_RUN_ID", *extra_names())
     return {k: os.environ[k] for k in keys if k in os.environ}

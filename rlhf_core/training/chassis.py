@@ -68,7 +68,6 @@ RESUMABLE_CHANGES = {"max_steps": 1, "save_steps": 1, "eval_steps": 0, "log_step
 def upstream_digest(path: str) -> str:
     """sha256 of what `path` is now: an artifact of this pipeline by its manifest's hash (which
     changes whenever its stage reran), other files/dirs by their content, a hub id by its name."""
-
     record = {"hub_id": path} if not Path(path).exists() else {k: v for k, v in input_record(path).items() if k != "path"}
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
@@ -77,7 +76,6 @@ def resume_inputs(cfg: TrainConfig, data_fingerprint: str, upstream: tuple[str, 
     """Everything a checkpoint is built from, stored in it: the config (less RESUMABLE_CHANGES),
     the training data's fingerprint and every upstream artifact (`cfg.model_path` and `upstream`,
     e.g. rl's reward model and reward file, by content)."""
-
     paths = [p for p in (cfg.model_path, *upstream) if p]
     return {"config": config_hash(replace(cfg, **RESUMABLE_CHANGES)), "data": data_fingerprint,
             "upstream": {p: upstream_digest(p) for p in paths}}

@@ -116,7 +116,6 @@ def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray:
     cfg = from_dict(cls, restore_secrets(data.get("config", data), secrets), prefix=f"{section}.")
     output_dir = getattr(cfg, "output_dir", None) if needs_ray else None  # prepare writes data/ and base/ in-process
     if output_dir:
-
         try:
             stage_lock.acquire(output_dir, section)
         except stage_lock.StageLocked as e:  # the reason, not a traceback, is what the user needs
