@@ -72,7 +72,7 @@ def reward_model(chain_project, ray_head, sft):
 
 
 def test_rm_judges_held_out_pairs(reward_model):
-    m = reward_model[1]  # near 0.985 -> 1.0, random 0.995 -> 1.0
+    m = reward_model[1]  # near 0.935 -> 1.0, random 0.985 -> 1.0
     assert m["eval/pair_accuracy"] >= 0.9 and m["eval/pair_accuracy_random"] >= 0.9, m
     assert m["eval/pair_accuracy"] >= m["eval/pair_accuracy_init"], m
 
@@ -80,25 +80,25 @@ def test_rm_judges_held_out_pairs(reward_model):
 def test_dpo_lifts_accuracy_above_sft(chain_project, ray_head, sft):
     m = stage(chain_project, ray_head, "dpo", "artifacts/learn_dpo", "--set", f"dpo.model_path={sft[0]}", "--set", "dpo.max_steps=30",
               "--set", "dpo.save_steps=30")
-    # RPO (dpo.nll_coef=1, the default): 0.83 -> 0.975 in 30 steps; plain DPO fell (0.80 -> 0.49)
+    # RPO (dpo.nll_coef=1, the default): 0.625 -> 0.925 in 30 steps; plain DPO fell (0.80 -> 0.49 on the old recipe)
     assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.1, m
 
 
 # the default rl recipe (20 steps of 64 prompts x 8 on vLLM, lr 1e-4); no pass@k / sync-check extras.
-# At 10 steps neither variant is there yet (GRPO 0.83, PPO 0.90); on the 150-step sft (0.80) PPO
-# first dips (0.68 at step 5) and ends at 0.84
+# Greedy accuracy can dip in the first steps while the sampled reward already rises, so fewer steps
+# test nothing; on the old recipe's weaker sft (0.66: digit mixtures, not the slip) RL fell instead
 RL = ["--set", "rl.eval_steps=0", "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0"]
 
 
 def test_rlvr_lifts_gold_accuracy(chain_project, ray_head, sft):
     m = stage(chain_project, ray_head, "rl", "artifacts/learn_rlvr", "--set", f"rl.model_path={sft[0]}", "--set", "rl.algo=grpo", *RL)
-    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.83 -> 0.945
+    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.625 -> 0.815
 
 
 def test_rlhf_on_the_reward_model_lifts_gold_accuracy(chain_project, ray_head, sft, reward_model):
     m = stage(chain_project, ray_head, "rl", "artifacts/learn_rlhf", "--set", f"rl.model_path={sft[0]}", "--set", "rl.algo=ppo",
               "--set", f"rl.reward_model={reward_model[0]}", *RL)
-    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.83 -> 0.96
+    assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.625 -> 0.79
     # optimising the reward model raised the gold (verifiable) reward of the samples with it
     rows = history(chain_project, "artifacts/learn_rlhf")
     first, last = rows[:3], rows[-3:]
