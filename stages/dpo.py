@@ -15,6 +15,7 @@ from typing import Literal
 
 from rlhf_core import atomic
 from rlhf_core.algos.losses import dpo_loss, kto_loss, token_logprobs
+from rlhf_core.data.io import write_jsonl
 from rlhf_core.data.tokenize import prompt_response
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
@@ -137,7 +138,6 @@ def build_spec(cfg: Config, out_dir: Path):
             values = cached["logps"]
         else:
             values = group.call_rank0("evaluate", common.batches(plain, pairs, cfg.eval_batch_size), ref_logps_fn)
-            cache.parent.mkdir(parents=True, exist_ok=True)
             atomic.write_text(cache, json.dumps({"key": key, "logps": values}))
         for pair, (c, r) in zip(pairs, values):
             pair["ref_chosen"], pair["ref_rejected"] = c, r
@@ -178,7 +178,7 @@ def run(cfg: Config) -> dict:
     rows, held_out_metrics = held_out_rewards(group)
     metrics.update(held_out_metrics)
     if rows:
-        atomic.write_text(out_dir / "eval_pair_rewards.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(out_dir / "eval_pair_rewards.jsonl", rows, ensure_ascii=True)
     save_final_model(group, out_dir, tokenizer, common.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
     common.finish(out_dir, "dpo", cfg, metrics, extra_inputs=(cfg.eval_pairs,) if rows else ())
     return metrics

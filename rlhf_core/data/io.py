@@ -155,8 +155,7 @@ def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_char
     total = len(rows) + len(rejects)
     reasons = Counter(r["reason"].split(" (")[0] for r in rejects)
     rejects_path = Path(rejects_path)
-    rejects_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(rejects_path, "".join(json.dumps(r, ensure_ascii=True) + "\n" for r in rejects))
+    write_jsonl(rejects_path, rejects, ensure_ascii=True)
     result = LoadResult(rows, total, len(rejects), reasons, rejects_path)
     if total == 0 or not rows:
         raise DataError(f"{path}: no valid {kind} rows ({len(rejects)} rejected; see {rejects_path})")
@@ -173,7 +172,6 @@ def _preview(row: dict, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+def write_jsonl(path: str | Path, rows: list[dict], ensure_ascii: bool = False) -> None:
+    """One JSON row per line, written atomically (the parent directory is created)."""
+    atomic.write_text(path, "".join(json.dumps(row, ensure_ascii=ensure_ascii) + "\n" for row in rows))

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict, restore_secrets
-from rlhf_core.data.io import DataError, load_rows
+from rlhf_core.data.io import DataError, load_rows, write_jsonl
 from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.models import load as models_load
@@ -48,8 +48,7 @@ def load_data(path: str, kind: str, cfg: TrainConfig, rejects_path: Path) -> lis
 
 def check_too_long(rejects: list[dict], total: int, cfg: TrainConfig, path: Path) -> None:
     """Rows over max_len tokens are rejected with a reason, counted, and fail the load above the ratio."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rejects))
+    write_jsonl(path, rejects, ensure_ascii=True)
     if rejects:
         log.warning("%d of %d rows over max_len=%d tokens rejected; see %s", len(rejects), total, cfg.max_len, path)
     if total and len(rejects) / total > cfg.max_reject_ratio:
