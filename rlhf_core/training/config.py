@@ -32,6 +32,17 @@ class TrainConfig:
     """DeepSpeed ZeRO stage."""
     global_batch_size: int = 32
     """Sequences per optimizer step over all workers."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on one worker: each worker accumulates gradients over its
+    share of the global batch in micro-batches of this size, then steps once (0: its whole share
+    in one pass).  The update is the same either way -- losses are normalised by the global batch's
+    counts -- with activation memory of one micro-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them (transformers'
+    gradient checkpointing): about a third more compute for activation memory of one layer."""
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """ZeRO offload to CPU memory: the optimizer states (needs zero_stage >= 1), or those and the
+    parameters (`all`, needs zero_stage 3).  For models that do not fit on the GPUs."""
     lr: float = 1e-3
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, on weight matrices only (not norm gains or biases); with the
@@ -65,7 +76,17 @@ class TrainConfig:
             raise ValueError(f"global_batch_size {self.global_batch_size} must divide evenly over num_workers {self.num_workers}")
         if self.max_steps < 1 or self.save_steps < 1:
             raise ValueError("max_steps and save_steps must be >= 1")
+        if self.micro_batch_size < 0:
+            raise ValueError(f"micro_batch_size must be >= 0 (0: no gradient accumulation), not {self.micro_batch_size}")
+        if self.offload == "optimizer" and self.zero_stage < 1 or self.offload == "all" and self.zero_stage != 3:
+            need = "zero_stage >= 1" if self.offload == "optimizer" else "zero_stage=3"
+            raise ValueError(f"offload={self.offload} needs {need} (ZeRO holds what it offloads); zero_stage is {self.zero_stage}")
 
     @property
     def per_worker_batch(self) -> int:
         return self.global_batch_size // self.num_workers
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per forward/backward on one worker."""
+        return min(self.micro_batch_size or self.per_worker_batch, self.per_worker_batch)

@@ -2,9 +2,10 @@
 `rlhf_core.models.load`).
 
 A torch AdamW is handed to `deepspeed.initialize` (DeepSpeed's own CPU Adam compiles C++ on
-first use, 20-35 s on every fresh machine).  One forward/backward per worker per step (no
-gradient accumulation yet): that keeps the non-finite-loss skip exact, since every rank can agree
-to skip before any gradient is reduced.
+first use, 20-35 s on every fresh machine).  Gradient accumulation is DeepSpeed's *unmanaged*
+mode: each `backward` only accumulates, and the caller's `step()` is the boundary that reduces
+and updates.  That keeps the non-finite-loss skip exact: the ranks agree on every micro-batch's
+loss before its backward, and a skipped step never reaches an optimizer update.
 """
 from __future__ import annotations
 
@@ -36,13 +37,20 @@ def init_distributed(rank: int, world_size: int, master_port: int, backend: str 
 
 
 def ds_config(cfg: TrainConfig) -> dict:
+    zero = {"stage": cfg.zero_stage}
+    if cfg.offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if cfg.offload == "all":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
-        "train_micro_batch_size_per_gpu": cfg.per_worker_batch,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": cfg.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": -(-cfg.per_worker_batch // cfg.micro_batch),
+        # the worker calls step() once per optimizer step, after all its micro-batches' backwards
+        "managed_gradient_accumulation": False,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # ZeRO partitions our torch AdamW's state
+        "zero_force_ds_cpu_optimizer": False,  # offload keeps the torch AdamW (DeepSpeed's CPU Adam is a C++ build)
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

@@ -38,6 +38,16 @@ def take(n: int, seed: int, consumed: int, k: int) -> list[int]:
     return out
 
 
+def micro_batches(shard, size: int, total: int, ranks: int) -> list:
+    """One rank's `shard` of `total` samples dealt over `ranks`, in contiguous micro-batches of at
+    most about `size`.  The count is the same on every rank (ZeRO-2/3 reduce in each backward):
+    enough for the largest shard, at most the smallest shard's size so none is empty."""
+    largest, smallest = -(-total // ranks), total // ranks
+    count = max(1, min(-(-largest // size), smallest))
+    cuts = [len(shard) * i // count for i in range(count + 1)]
+    return [shard[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
 @dataclass
 class StageSpec:
     """What a stage hands to the loop."""
@@ -92,7 +102,7 @@ class WorkerGroup:
             for r in range(cfg.num_workers)
         ]
         self.timeout, self.name, self.timeout_setting = timeout, name, timeout_setting
-        self.zero3 = cfg.zero_stage == 3
+        self.zero3, self.micro = cfg.zero_stage == 3, cfg.micro_batch_size
         self._starting = [w.state_fingerprint.remote() for w in self.workers]
         if wait:
             self.ready()
@@ -128,8 +138,9 @@ class WorkerGroup:
     def train_step(self, examples: list[dict], collate, loss_fn, counts: dict, step: int = 0) -> list[dict]:
         import ray
 
-        n = len(self.workers)
-        refs = [w.train_step.remote(collate(examples[r::n]), loss_fn, counts) for r, w in enumerate(self.workers)]
+        n, micro = len(self.workers), self.micro or len(examples)  # 0: each rank's whole shard in one pass
+        refs = [w.train_step.remote([collate(m) for m in micro_batches(examples[r::n], micro, len(examples), n)], loss_fn, counts)
+                for r, w in enumerate(self.workers)]
         faults.kill_worker_during(step, self.workers[0])
         try:
             return self._get(refs, f"train step {step}")

@@ -32,6 +32,9 @@ class TrainWorker(PeakMemory):
         np.random.seed(cfg.seed + rank)
         init_distributed(rank, world_size, master_port)
         model = load_model(model_path, model_kind, cfg.dtype, cfg.trust_remote_code)
+        if cfg.gradient_checkpointing:
+            # non-reentrant: works under ZeRO-3's parameter hooks and with inputs that need no grad
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = pad_token_id  # sequence classification finds the last token by it
         self.engine = build_engine(model, cfg)
@@ -50,29 +53,38 @@ class TrainWorker(PeakMemory):
 
     # --- training -------------------------------------------------------------------------
 
-    def train_step(self, batch: dict, loss_fn, counts: dict) -> dict:
-        """One optimizer step on this rank's shard.  If any rank's loss is non-finite, every
-        rank skips backward and the update (no collective is left half done)."""
+    def train_step(self, batches: list[dict], loss_fn, counts: dict) -> dict:
+        """One optimizer step on this rank's shard, given as micro-batches: gradients accumulate
+        over them (each loss is already normalised by the global batch's counts, so they add up),
+        then one `step()` reduces over ranks and updates.  Every rank holds the same number of
+        micro-batches; if any rank's loss is non-finite, every rank stops there, drops what it
+        accumulated and skips the update (no collective is left half done)."""
         faults.hang("train_step")
         self.engine.train()
-        # bf16 matmuls over fp32 weights and optimizer state (CPUs with AMX and GPUs run them
-        # several times faster); the loss functions upcast logits to fp32 themselves
-        with torch.autocast(torch.device(self.engine.device).type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16"):
-            loss, stats = loss_fn(self.engine, self._to_device(batch), counts)
-        if faults.armed("nan_loss") is not None:  # fault injection for the reliability tests
-            loss = loss * float("nan")
-        faults.slow_step()
-        finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0], device=loss.device)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if finite.item() == 0.0:
-            self.engine.zero_grad()
-            return {"skipped": 1.0, "loss": float("nan")}
-        # DeepSpeed averages gradients over ranks; the loss is normalised by global counts, so
-        # scaling by world_size makes the update equal to the single-process one.
-        self.engine.backward(loss * self.world_size)
+        total, stats, rows = 0.0, {}, 0
+        for batch in batches:
+            # bf16 matmuls over fp32 weights and optimizer state (CPUs with AMX and GPUs run them
+            # several times faster); the loss functions upcast logits to fp32 themselves
+            with torch.autocast(torch.device(self.engine.device).type, dtype=torch.bfloat16, enabled=self.cfg.mixed_precision == "bf16"):
+                loss, micro_stats = loss_fn(self.engine, self._to_device(batch), counts)
+            if faults.armed("nan_loss") is not None:  # fault injection for the reliability tests
+                loss = loss * float("nan")
+            faults.slow_step()
+            finite = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0], device=loss.device)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if finite.item() == 0.0:
+                self.engine.zero_grad()
+                return {"skipped": 1.0, "loss": float("nan")}
+            # DeepSpeed averages gradients over ranks; the loss is normalised by global counts, so
+            # scaling by world_size makes the update equal to the single-process one
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            n = len(batch["input_ids"])
+            total, rows = total + float(loss.detach()), rows + n
+            for k, v in micro_stats.items():  # per-batch means: weighted by the micro-batch's rows
+                stats[k] = stats.get(k, 0.0) + float(v) * n
         self.engine.step()
-        out = {k: float(v) for k, v in stats.items()}
-        out.update(loss=float(loss.detach()), skipped=0.0, lr=self.engine.get_lr()[0])
+        out = {k: v / max(1, rows) for k, v in stats.items()}
+        out.update(loss=total, skipped=0.0, lr=self.engine.get_lr()[0])
         grad_norm = self.engine.get_global_grad_norm()  # None where DeepSpeed does not track it (ZeRO-0)
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)

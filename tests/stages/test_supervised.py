@@ -72,18 +72,33 @@ def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
     assert "sha256 mismatch" in text and "resumed from step_000006" in text
 
 
+# (workers, ZeRO stage, further settings): the same global batch of 16 in every run
+LAYOUTS = {
+    "one worker": (1, 0, ()),
+    # data parallelism and sharding at once, each rank's 8 in 2 micro-batches of 4
+    "2 workers, ZeRO-2, accumulation 2": (2, 2, ("sft.micro_batch_size=4",)),
+    # 4 micro-batches of 2, parameters and optimizer states offloaded, activations recomputed
+    "2 workers, ZeRO-3 + offload, accumulation 4, checkpointing": (
+        2, 3, ("sft.micro_batch_size=2", "sft.offload=all", "sft.gradient_checkpointing=true")),
+}
+
+
 @pytest.mark.xdist_group("sft_faults")
-def test_one_and_two_workers_same_loss_curve(project, ray_head):
+def test_memory_layouts_give_the_same_loss_curve(project, ray_head):
+    """Gradient accumulation, ZeRO-2/3, CPU offload and gradient checkpointing change where memory
+    goes, not the update: every layout's loss curve is the single worker's."""
     curves = {}
-    for n, zero in ((1, 0), (2, 2)):  # 2 workers under ZeRO-2: data parallelism and sharding at once
-        out = f"artifacts/sft_w{n}_z{zero}"
+    for i, (name, (n, zero, extra)) in enumerate(LAYOUTS.items()):
+        out = f"artifacts/sft_layout{i}"
+        sets = [a for kv in extra for a in ("--set", kv)]
         proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=5",
-                         "--set", "sft.global_batch_size=16",
-                         "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}", "--set", f"sft.output_dir={out}",
-                         "--set", "sft.eval_max_new_tokens=2")
-        assert proc.returncode == 0, proc.stdout[-3000:]
-        curves[n, zero] = [r["train/loss"] for r in history(project / out)]
-    assert curves[1, 0] == pytest.approx(curves[2, 2], rel=1e-4)
+                         "--set", "sft.global_batch_size=16", "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}",
+                         "--set", f"sft.output_dir={out}", "--set", "sft.eval_max_new_tokens=2", *sets)
+        assert proc.returncode == 0, f"{name}: {proc.stdout[-3000:]}"
+        curves[name] = [r["train/loss"] for r in history(project / out)]
+    base = curves.pop("one worker")
+    for name, curve in curves.items():
+        assert curve == pytest.approx(base, rel=1e-4), name
 
 
 @pytest.mark.xdist_group("sft_faults")
