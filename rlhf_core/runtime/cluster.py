@@ -12,6 +12,7 @@ kill every Ray process on the host.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -64,12 +65,15 @@ PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
 class LocalRayHead:
     """A Ray head on this machine, owned by this process.  Use as a context manager."""
 
-    def __init__(self, num_cpus: int | None = None, startup_timeout: float = 120.0):
+    def __init__(self, num_cpus: int | None = None, startup_timeout: float = 120.0, multi_node: bool = False):
         self.num_cpus = num_cpus or os.cpu_count() or 1
+        self.multi_node = multi_node
+        """Other nodes may join (`add_node`): the head then binds the host's address, not 127.0.0.1."""
         self.startup_timeout = startup_timeout
         # GCS, dashboard, then the ports `start` assigns: every one explicit and distinct
         self.gcs_port, self.dashboard_port, *self._ports = free_ports(2 + len(PORT_FLAGS) + len(PORT_ENV))
         self.proc: subprocess.Popen | None = None
+        self.nodes: list[subprocess.Popen] = []  # further nodes joined to this head (`add_node`)
         self.log_file = tempfile.NamedTemporaryFile(prefix="rlhf-ray-head-", suffix=".log", delete=False)
         # A temp dir of its own, not the shared /tmp/ray: Ray's job supervisor hands each job driver
         # the address in {temp_dir}/ray_current_cluster, which names the head started *last* on the
@@ -99,8 +103,8 @@ class LocalRayHead:
             "RAY_USAGE_STATS_ENABLED": "0",
             # Ray 2.60's `ray start` replaces --node-ip-address=127.0.0.1 by the host's address
             # (services.resolve_ip_for_localhost) unless clustering is off, and then GCS, raylet and
-            # agents bind every interface; off, every one of them binds 127.0.0.1
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            # agents bind every interface; off, every one of them binds 127.0.0.1 -- and no node can join
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if self.multi_node else "0",
             # the two metrics ports that have no `ray start` flag (defaults 44217 and 44227)
             **{name: str(next(ports)) for name in PORT_ENV},
         })
@@ -115,6 +119,38 @@ class LocalRayHead:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"ray head did not come up within {self.startup_timeout:.0f}s; log: {self.log_file.name}\n{self._tail()}")
+
+    def add_node(self, num_cpus: int, resources: dict[str, float] | None = None, timeout: float = 60.0) -> None:
+        """Join a second Ray node on this machine to the head (`ray start --address`, as a worker
+        node of a real cluster joins), with its own CPUs and custom `resources` that work can be
+        pinned to.  A two-node cluster on one host: the multi-node tests place ranks and roles on
+        both.  Stopped with the head, under a watchdog of its own.  Needs `multi_node=True`."""
+        if not self.multi_node:
+            raise RuntimeError("this head binds 127.0.0.1 only and takes no other node: start it with multi_node=True")
+        ports = free_ports(6)
+        cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", f"--address=127.0.0.1:{self.gcs_port}",
+               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}",
+               *[f"--{flag}={port}" for flag, port in zip(("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                                                         "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"), ports)]]
+        env = head_env()
+        env.pop("RAY_ADDRESS", None)
+        env.update({"RAY_USAGE_STATS_ENABLED": "0"})
+        self.nodes.append(watchdog.spawn(["head", "--", *cmd], stdout=self.log_file, stderr=subprocess.STDOUT, env=env))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self._alive_nodes() >= 1 + len(self.nodes):
+                return
+            if self.nodes[-1].poll() is not None:
+                break
+            time.sleep(0.5)
+        raise RuntimeError(f"the added Ray node did not join within {timeout:.0f}s; log: {self.log_file.name}\n{self._tail()}")
+
+    def _alive_nodes(self) -> int:
+        try:
+            with urllib.request.urlopen(f"{self.job_address}/nodes?view=summary", timeout=5) as r:
+                return sum(1 for n in json.loads(r.read())["data"]["summary"] if n["raylet"]["state"] == "ALIVE")
+        except (OSError, KeyError, ValueError):
+            return 0
 
     def _job_server_up(self) -> bool:
         try:
@@ -132,20 +168,27 @@ class LocalRayHead:
         watchdog not finish, SIGKILL its process group (`ray start` then gets SIGINT from the kernel)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("the Ray head's watchdog did not stop in time: killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(10)
+        for node in self.nodes:  # the added nodes first: their raylets would otherwise wait for the GCS
+            self._stop_watchdog(node, timeout)
+        self.nodes = []
+        self._stop_watchdog(self.proc, timeout)
         self.proc = None
         shutil.rmtree(self.temp_dir, ignore_errors=True)  # the watchdog did; unless it could not
         log.info("stopped local Ray head")
+
+    @staticmethod
+    def _stop_watchdog(proc: subprocess.Popen, timeout: float) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("a Ray node's watchdog did not stop in time: killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
 
     def __enter__(self) -> "LocalRayHead":
         return self.start()

@@ -28,6 +28,9 @@ class TrainConfig:
     """Data-parallel training workers (Ray actors), one DeepSpeed rank each."""
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the workers' bundles (one per worker) go on the cluster's nodes (Ray placement groups):
+    PACK fills a node first, STRICT_SPREAD puts every worker on a node of its own."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage."""
     global_batch_size: int = 32

@@ -17,12 +17,14 @@ import torch
 from rlhf_core.training.config import TrainConfig
 
 
-def init_distributed(rank: int, world_size: int, master_port: int, backend: str | None = None) -> None:
-    """Set the env DeepSpeed reads without a launcher and join the process group."""
+def init_distributed(rank: int, world_size: int, master: tuple[str, int], backend: str | None = None) -> None:
+    """Set the env DeepSpeed reads without a launcher and join the process group at `master`
+    (rank 0's node address and port, `runtime.actor.rendezvous`).  LOCAL_RANK is 0 on purpose:
+    Ray gives each actor only its own GPU (CUDA_VISIBLE_DEVICES), which is device 0 inside it."""
     import deepspeed
 
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+                      MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "gloo":
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op at every process-group

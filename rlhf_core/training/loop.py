@@ -87,18 +87,22 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_core.runtime.cluster import free_port
+        from rlhf_core.runtime.actor import rendezvous
         from rlhf_core.training.worker import TrainWorker
 
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if cfg.gpus_per_worker else {})}
-        self.pg = pg or placement_group([bundle] * cfg.num_workers, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=300)
-        port = free_port()
+        self.pg = pg or placement_group([bundle] * cfg.num_workers, strategy=cfg.placement_strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{name}: no room for {cfg.num_workers} bundle(s) of {bundle} placed {cfg.placement_strategy} within 300 s "
+                               f"(cluster resources: {ray.cluster_resources()})") from None
+        in_bundle = lambda r: PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)  # noqa: E731
+        master = ray.get(ray.remote(rendezvous).options(num_cpus=0, scheduling_strategy=in_bundle(0)).remote())
         actor = ray.remote(TrainWorker)
         self.workers = [
-            actor.options(num_cpus=cfg.cpus_per_worker * share, num_gpus=cfg.gpus_per_worker * share,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote(
-                r, cfg.num_workers, port, model_path, model_kind, cfg, pad_token_id)
+            actor.options(num_cpus=cfg.cpus_per_worker * share, num_gpus=cfg.gpus_per_worker * share, scheduling_strategy=in_bundle(r)).remote(
+                r, cfg.num_workers, master, model_path, model_kind, cfg, pad_token_id)
             for r in range(cfg.num_workers)
         ]
         self.timeout, self.name, self.timeout_setting = timeout, name, timeout_setting
@@ -114,6 +118,9 @@ class WorkerGroup:
         if self._starting is not None:
             self._get(self._starting, "start-up", timeout=max(self.timeout, STARTUP_TIMEOUT))
             self._starting = None
+            nodes = self.call("node")
+            log.info("%s: %d rank(s) on %d node(s): %s", self.name, len(nodes), len(set(nodes)),
+                     ", ".join(f"rank {r} on {n}" for r, n in enumerate(nodes)))
         return self
 
     def _get(self, refs, what: str, timeout: float | None = None):

@@ -23,14 +23,14 @@ from rlhf_core.training.engine import build_engine, init_distributed
 
 
 class TrainWorker(PeakMemory):
-    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, model_kind: str, cfg: TrainConfig,
+    def __init__(self, rank: int, world_size: int, master: tuple[str, int], model_path: str, model_kind: str, cfg: TrainConfig,
                  pad_token_id: int | None = None):
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)
-        init_distributed(rank, world_size, master_port)
+        init_distributed(rank, world_size, master)
         model = load_model(model_path, model_kind, cfg.dtype, cfg.trust_remote_code)
         if cfg.gradient_checkpointing:
             # non-reentrant: works under ZeRO-3's parameter hooks and with inputs that need no grad

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SFT, rlhf, run_stage
+from conftest import SFT, SFT_CURVE, history, rlhf, run_stage
 from safetensors.torch import load_file
 
 from rlhf_core.artifacts.manifest import verify_manifest
@@ -14,10 +14,6 @@ pytestmark = pytest.mark.integration
 
 def weights(path: Path) -> dict:
     return load_file(str(path / "model" / "model.safetensors"))
-
-
-def history(path: Path) -> list[dict]:
-    return [json.loads(line) for line in (path / "train_history.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.xdist_group("sft_later")
@@ -72,9 +68,8 @@ def test_sigkill_then_resume_is_bit_identical(project, ray_head, sft_reference):
     assert "sha256 mismatch" in text and "resumed from step_000006" in text
 
 
-# (workers, ZeRO stage, further settings): the same global batch of 16 in every run
+# (workers, ZeRO stage, further settings): the same global batch of 16 as conftest's sft_loss_curve
 LAYOUTS = {
-    "one worker": (1, 0, ()),
     # data parallelism and sharding at once, each rank's 8 in 2 micro-batches of 4
     "2 workers, ZeRO-2, accumulation 2": (2, 2, ("sft.micro_batch_size=4",)),
     # 4 micro-batches of 2, parameters and optimizer states offloaded, activations recomputed
@@ -84,21 +79,16 @@ LAYOUTS = {
 
 
 @pytest.mark.xdist_group("sft_faults")
-def test_memory_layouts_give_the_same_loss_curve(project, ray_head):
+def test_memory_layouts_give_the_same_loss_curve(project, ray_head, sft_loss_curve):
     """Gradient accumulation, ZeRO-2/3, CPU offload and gradient checkpointing change where memory
     goes, not the update: every layout's loss curve is the single worker's."""
-    curves = {}
     for i, (name, (n, zero, extra)) in enumerate(LAYOUTS.items()):
         out = f"artifacts/sft_layout{i}"
         sets = [a for kv in extra for a in ("--set", kv)]
-        proc = run_stage(project, ray_head, "sft", "--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=5",
-                         "--set", "sft.global_batch_size=16", "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}",
-                         "--set", f"sft.output_dir={out}", "--set", "sft.eval_max_new_tokens=2", *sets)
+        proc = run_stage(project, ray_head, "sft", *SFT_CURVE, "--set", f"sft.num_workers={n}", "--set", f"sft.zero_stage={zero}",
+                         "--set", f"sft.output_dir={out}", *sets)
         assert proc.returncode == 0, f"{name}: {proc.stdout[-3000:]}"
-        curves[name] = [r["train/loss"] for r in history(project / out)]
-    base = curves.pop("one worker")
-    for name, curve in curves.items():
-        assert curve == pytest.approx(base, rel=1e-4), name
+        assert [r["train/loss"] for r in history(project / out)] == pytest.approx(sft_loss_curve, rel=1e-4), name
 
 
 @pytest.mark.xdist_group("sft_faults")
