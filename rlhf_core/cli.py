@@ -7,7 +7,7 @@
   rlhf pipeline report [--out FILE]       a static HTML page: stages, metrics, curves, champion lineage
   rlhf serve [--port 4200]                local Prefect server + deployments (full, nightly cron)
   rlhf rollouts show PATH                 summary of RL rollout Parquet
-  rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1 (for rl.reward_url)
+  rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1 (for rl.reward_url; OpenRLHF clients: /get_reward)
   rlhf lineage show PATH                  the artifact's ancestry back to raw data, code and config
   rlhf lineage verify PATH                re-hash the whole chain; non-zero exit on any mismatch
   rlhf config show STAGE [--set k=v ...]  the resolved config of a stage, as JSON
@@ -188,7 +188,7 @@ def _inspection_commands(sub) -> None:
     p.add_argument("--samples", type=int, default=3, help="samples to print from the last step")
     p.set_defaults(func=cmd_rollouts_show)
 
-    p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score) for rl.reward_url")
+    p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score; OpenRLHF's POST /get_reward) for rl.reward_url")
     p.add_argument("model", help="reward model dir, e.g. artifacts/rm/model")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; the server has no auth)")
     p.add_argument("--port", type=int, default=8765)

@@ -129,7 +129,11 @@ class Config(TrainConfig):
     reward_model: str | None = None
     """A reward model directory (the rm stage's model/); scores are normalised by its reward_stats.json."""
     reward_url: str | None = None
-    """A reward server (`rlhf serve-reward`), e.g. http://127.0.0.1:8765/score."""
+    """A reward server (`rlhf serve-reward`), e.g. http://127.0.0.1:8765/score, or an OpenRLHF remote
+    reward server (http://host:5000/get_reward)."""
+    reward_url_protocol: Literal["auto", "rlhf", "openrlhf"] = "auto"
+    """rlhf: POST /score with token ids; openrlhf: OpenRLHF's `{"query", "prompts", "labels"}` ->
+    `{"rewards", "scores", "extra_logs"}`; auto: openrlhf when the URL ends in /get_reward."""
     reward_file_weight: float = 1.0
     reward_model_weight: float = 1.0
     reward_url_weight: float = 1.0
@@ -309,7 +313,7 @@ class Roles:
         absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
         self.reward = ray.remote(RewardWorker).options(**place(0, 0.25, 0.0)).remote(
             absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
-            cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads if colocated else 1)
+            cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads if colocated else 1, cfg.reward_url_protocol)
         self.timeout = cfg.rollout_timeout
         # surface construction errors (bad model path, missing reward file, engine start-up) now
         self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()],

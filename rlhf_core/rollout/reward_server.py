@@ -2,10 +2,13 @@
 
 POST /score  {"prompts": [...], "responses": [...], "labels": [...], "token_ids": [[...], ...], "prompt_lens": [...]}
           -> {"rewards": [...]}
+POST /get_reward  OpenRLHF's remote reward protocol: {"query": [prompt + response, ...], "prompts": [...]}
+          -> {"rewards": [...], "scores": [...], "extra_logs": {}}
 GET  /health -> {"status": "ok", "model": PATH}
 
 With `token_ids` the model scores exactly those ids (token in, token out); without them it
-tokenizes prompt + response.  Binding anywhere but loopback is the user's explicit choice: the
+tokenizes prompt + response (for /get_reward: the query, split after its prompt where the prompt
+is given and begins it, so both paths tokenize a sample alike).  Binding anywhere but loopback is the user's explicit choice: the
 server has no authentication, so put it behind an authenticating proxy before exposing it.
 """
 from __future__ import annotations
@@ -42,10 +45,12 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_
                 self._send(404, {"error": f"unknown path {self.path}; use POST /score or GET /health"})
 
         def do_POST(self):  # noqa: N802
-            if self.path != "/score":
-                return self._send(404, {"error": f"unknown path {self.path}; use POST /score"})
+            if self.path not in ("/score", "/get_reward"):
+                return self._send(404, {"error": f"unknown path {self.path}; use POST /score or /get_reward"})
             try:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if self.path == "/get_reward":
+                    req = from_openrlhf_request(req, tokenizer)
                 prompts, responses = req["prompts"], req["responses"]
                 if len(prompts) != len(responses) or len(prompts) > max_batch:
                     raise ValueError(f"need equal-length prompts/responses, at most {max_batch}")
@@ -58,7 +63,7 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_
                 return self._send(400, {"error": f"bad request: {e}"})
             with lock:
                 values, _, _ = model([{"token_ids": x, "prompt_len": n} for x, n in zip(ids, plens)])
-            self._send(200, {"rewards": values})
+            self._send(200, {"rewards": values, "scores": values, "extra_logs": {}} if self.path == "/get_reward" else {"rewards": values})
 
         def log_message(self, fmt, *args):
             log.debug(fmt, *args)
@@ -66,11 +71,30 @@ def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_
     return ThreadingHTTPServer((host, port), Handler)
 
 
+def from_openrlhf_request(req: dict, tokenizer) -> dict:
+    """OpenRLHF's `{"query": [...], "prompts": [...]}` as a /score request: each query split into
+    prompt and response where its prompt begins it (else all response, after an empty prompt),
+    trailing EOS / pad text dropped (the scorer appends one EOS, as OpenRLHF's server does)."""
+    queries = req["query"]
+    prompts = req.get("prompts") or [""] * len(queries)
+    if not isinstance(queries, list) or len(prompts) != len(queries):
+        raise ValueError("need a list 'query' and, if given, as many 'prompts'")
+    tails = [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
+    split_prompts, responses = [], []
+    for q, p in zip(queries, prompts):
+        while any(t and q.endswith(t) for t in tails):
+            q = q[: -len(next(t for t in tails if q.endswith(t)))]
+        p = p if p and q.startswith(p) else ""
+        split_prompts.append(p)
+        responses.append(q[len(p):])
+    return {"prompts": split_prompts, "responses": responses}
+
+
 def serve(model_path: str, host: str, port: int) -> None:
     server = make_server(model_path, host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("reward server bound to %s: it has no authentication; do not expose it beyond a trusted network", host)
-    log.info("serving %s at http://%s:%d/score (Ctrl-C to stop)", model_path, host, server.server_address[1])
+    log.info("serving %s at http://%s:%d/score (and OpenRLHF's /get_reward; Ctrl-C to stop)", model_path, host, server.server_address[1])
     try:
         server.serve_forever()
     except KeyboardInterrupt:

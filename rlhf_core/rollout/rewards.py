@@ -3,11 +3,14 @@
 A source maps a batch of samples to one float per sample, plus named components:
 
   * `FunctionReward`: a user Python file with `def reward(prompts, responses, labels, **kw)`
-    returning a list of floats or `{"rewards": [...], "components": {name: [...]}}`;
+    returning a list of floats or `{"rewards": [...], "components": {name: [...]}}` -- or
+    OpenRLHF's `def reward_func(queries, prompts, labels, **kw)` (queries: prompt + response)
+    returning `{"rewards", "scores", "extra_logs"}`, taken unchanged;
   * `ModelReward`: the `rm` stage's model (sequence classification on the sample's token ids,
     normalised by its saved reward_stats.json);
-  * `HttpReward`: POST to a reward server (`rlhf serve-reward`), with a timeout, bounded retries
-    and exponential backoff, and an error that names the URL.
+  * `HttpReward`: POST to a reward server (`rlhf serve-reward`, or any server speaking OpenRLHF's
+    remote reward protocol), with a timeout, bounded retries and exponential backoff, and an
+    error that names the URL.
 
 `combine` weights the sources.  A source that raises, returns None/NaN (as a reward or as any
 component) or the wrong number of values marks the affected samples *invalid* (NaN score + a reason); the stage counts them and
@@ -37,6 +40,22 @@ def exact_match(prompts, responses, labels, **kw) -> list[float]:
 
 class RewardError(RuntimeError):
     pass
+
+
+def from_openrlhf(out, n: int):
+    """OpenRLHF's reward result -- `{"rewards": [...], "scores": [...], "extra_logs": {name: value}}`
+    (lists or tensors; `scores` and `extra_logs` optional) -- as ours: `rewards` is the reward,
+    `scores` and each extra log become components (a scalar log is the same for every sample, so
+    its logged mean is the server's value)."""
+    if not isinstance(out, dict):
+        return out  # _validate says what is wrong with it
+    components = {}
+    if out.get("scores") is not None:
+        components["score"] = out["scores"]
+    for key, value in (out.get("extra_logs") or {}).items():
+        scalar = not hasattr(value, "__len__") or getattr(value, "ndim", 1) == 0
+        components[f"extra/{key}"] = [value] * n if scalar else value
+    return {"rewards": out.get("rewards"), "components": components} if "rewards" in out else out
 
 
 def _validate(name: str, out, n: int) -> tuple[list[float], dict[str, list[float]], list[str | None]]:
@@ -92,13 +111,18 @@ class FunctionReward:
         spec = importlib.util.spec_from_file_location(f"rlhf_user_reward_{Path(path).stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        if not callable(getattr(module, "reward", None)):
-            raise AttributeError(f"{path} must define `def reward(prompts, responses, labels, **kw)`")
-        self.fn, self.name = module.reward, f"reward_file {path}"
+        self.openrlhf = not callable(getattr(module, "reward", None)) and callable(getattr(module, "reward_func", None))
+        if not (callable(getattr(module, "reward", None)) or self.openrlhf):
+            raise AttributeError(f"{path} must define `def reward(prompts, responses, labels, **kw)` "
+                                 "(or OpenRLHF's `def reward_func(queries, prompts, labels, **kw)`)")
+        self.fn, self.name = module.reward_func if self.openrlhf else module.reward, f"reward_file {path}"
 
     def __call__(self, samples: list[dict]):
-        out = self.fn([s["prompt"] for s in samples], [s["response"] for s in samples], [s["label"] for s in samples],
-                      token_ids=[s["token_ids"] for s in samples])
+        prompts, responses, labels = [s["prompt"] for s in samples], [s["response"] for s in samples], [s["label"] for s in samples]
+        if self.openrlhf:
+            out = from_openrlhf(self.fn([p + r for p, r in zip(prompts, responses)], prompts, labels), len(samples))
+        else:
+            out = self.fn(prompts, responses, labels, token_ids=[s["token_ids"] for s in samples])
         return _validate(self.name, out, len(samples))
 
 
@@ -149,11 +173,21 @@ class ModelReward:
         return _validate(self.name, ((scores - self.mean) / self.std).tolist(), len(samples))
 
 
+def url_protocol(url: str, setting: str = "auto") -> str:
+    """`rlhf` (POST /score, below) or `openrlhf` (OpenRLHF's remote reward protocol: POST
+    `{"query": [prompt + response], "prompts", "labels"}` -> `{"rewards", "scores", "extra_logs"}`).
+    `auto`: openrlhf when the URL's path ends in /get_reward, as OpenRLHF's servers' does."""
+    if setting != "auto":
+        return setting
+    return "openrlhf" if urlsplit(url).path.rstrip("/").endswith("/get_reward") else "rlhf"
+
+
 class HttpReward:
     """`user:password@` in the URL is sent as HTTP basic auth; names and errors show the URL with
-    its credentials redacted (they end up in logs and in the rollouts' invalid reasons)."""
+    its credentials redacted (they end up in logs and in the rollouts' invalid reasons).
+    `protocol`: see `url_protocol`."""
 
-    def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5):
+    def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5, protocol: str = "auto"):
         from rlhf_core.config import redact_url
 
         self.shown = redact_url(url)
@@ -166,12 +200,18 @@ class HttpReward:
             self.headers["Authorization"] = f"Basic {token}"
             url = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+        self.protocol = url_protocol(url, protocol)
         self.name = f"reward_url {self.shown}"
 
-    def __call__(self, samples: list[dict]):
-        body = json.dumps({"prompts": [s["prompt"] for s in samples], "responses": [s["response"] for s in samples],
-                           "labels": [s["label"] for s in samples], "token_ids": [s["token_ids"] for s in samples],
+    def body(self, samples: list[dict]) -> bytes:
+        prompts, responses, labels = [s["prompt"] for s in samples], [s["response"] for s in samples], [s["label"] for s in samples]
+        if self.protocol == "openrlhf":
+            return json.dumps({"query": [p + r for p, r in zip(prompts, responses)], "prompts": prompts, "labels": labels}).encode()
+        return json.dumps({"prompts": prompts, "responses": responses, "labels": labels, "token_ids": [s["token_ids"] for s in samples],
                            **({"prompt_lens": [s["prompt_len"] for s in samples]} if all("prompt_len" in s for s in samples) else {})}).encode()
+
+    def __call__(self, samples: list[dict]):
+        body = self.body(samples)
         last = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -179,7 +219,8 @@ class HttpReward:
             try:
                 req = urllib.request.Request(self.url, data=body, headers=self.headers)
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return _validate(self.name, json.loads(resp.read()), len(samples))
+                    out = json.loads(resp.read())
+                    return _validate(self.name, from_openrlhf(out, len(samples)) if self.protocol == "openrlhf" else out, len(samples))
             except RewardError:
                 raise
             except urllib.error.HTTPError as e:

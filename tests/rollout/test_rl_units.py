@@ -370,6 +370,86 @@ def test_reward_model_served_over_http(tiny):
         srv.shutdown()
 
 
+class _OpenRLHFServer(BaseHTTPRequestHandler):
+    """A third-party server speaking OpenRLHF's protocol, as its examples do: a scalar extra log."""
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _OpenRLHFServer.seen.append((self.path, body))
+        rewards = [float(q.endswith(" 2")) for q in body["query"]]
+        out = {"rewards": rewards, "scores": [r * 0.5 for r in rewards], "extra_logs": {"accuracy": sum(rewards) / len(rewards)}}
+        if self.path == "/old/get_reward":  # OpenRLHF's older serve_rm answers rewards only
+            out = {"rewards": rewards}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_openrlhf_reward_protocol_client_and_reward_func(tmp_path):
+    """A /get_reward URL speaks OpenRLHF's protocol: query = prompt + response, prompts, labels in;
+    rewards, scores and extra_logs out (scores and each log as components; a scalar log for every
+    sample).  A reward file with OpenRLHF's `reward_func` (tensors out) works unchanged."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _OpenRLHFServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    samples = _episodes(2)
+    samples[1] = {**samples[1], "response": " 3"}
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        client = R.HttpReward(f"{base}/get_reward")
+        assert client.protocol == "openrlhf" and R.HttpReward(f"{base}/score").protocol == "rlhf"
+        values, comps, why = client(samples)
+        path, body = _OpenRLHFServer.seen[-1]
+        assert path == "/get_reward" and body == {"query": ["Q: 1+1= A: 2", "Q: 1+1= A: 3"], "prompts": ["Q: 1+1= A:"] * 2,
+                                                  "labels": ["2", "2"]}
+        assert values == [1.0, 0.0] and why == [None, None]
+        assert comps == {"score": [0.5, 0.0], "extra/accuracy": [0.5, 0.5]}
+        assert R.HttpReward(f"{base}/old/get_reward")(samples)[:2] == ([1.0, 0.0], {})
+        # the protocol can be forced for a server at another path
+        assert R.HttpReward(f"{base}/rm", protocol="openrlhf")(samples)[0] == [1.0, 0.0]
+    finally:
+        srv.shutdown()
+    f = tmp_path / "openrlhf_reward.py"
+    f.write_text("import torch\n\ndef reward_func(queries, prompts, labels, **kw):\n"
+                 "    r = torch.tensor([float(q[len(p):].strip() == l) for q, p, l in zip(queries, prompts, labels)])\n"
+                 "    return {'rewards': r, 'scores': r, 'extra_logs': {'acc': r.mean()}}\n")
+    values, comps, why = R.FunctionReward(str(f))(samples)
+    assert values == [1.0, 0.0] and comps == {"score": [1.0, 0.0], "extra/acc": [0.5, 0.5]} and why == [None, None]
+
+
+def test_reward_server_speaks_openrlhf_get_reward_like_score(tiny):
+    """`rlhf serve-reward`'s /get_reward (OpenRLHF's clients) scores a sample as /score does."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.rollout.reward_server import make_server
+
+    path, tok = tiny
+    rm_dir = path.parent / "rm_openrlhf"
+    AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).save_pretrained(rm_dir)
+    tok.save_pretrained(rm_dir)
+    srv = make_server(str(rm_dir), port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        samples = [{"prompt": "Q: 12+30= A:", "response": r, "label": "42"} for r in (" 42", " 41 wrong")]
+        for s in samples:
+            s["token_ids"] = tok(s["prompt"]).input_ids + tok(s["response"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        ours, _, _ = R.HttpReward(f"{base}/score")(samples)
+        theirs, comps, why = R.HttpReward(f"{base}/get_reward")(samples)
+        assert theirs == pytest.approx(ours, abs=1e-6) and comps["score"] == pytest.approx(ours, abs=1e-6) and why == [None, None]
+        assert ours[0] != ours[1]
+        # a query ending in EOS text (as decoded sequences do) scores the same
+        eos = [{**s, "response": s["response"] + tok.eos_token} for s in samples]
+        assert R.HttpReward(f"{base}/get_reward")(eos)[0] == pytest.approx(ours, abs=1e-6)
+    finally:
+        srv.shutdown()
+
+
 def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(tiny):
     """A `response_sum` reward model: the score is the sum of its per-token logits after prompt_len."""
     import json
