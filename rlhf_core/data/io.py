@@ -129,12 +129,22 @@ def validate_row(row: dict, kind: str, max_chars: int) -> str | None:
     return None
 
 
-def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_chars: int = 4096, max_reject_ratio: float = 0.05) -> LoadResult:
+def map_keys(row: dict, keys: dict[str, str]) -> dict:
+    """`row` with each of our column names (`prompt`, `label`, ...) taken from the user's column
+    `keys[name]` where that differs (OpenRLHF's input_key / label_key / ... settings)."""
+    mapped = {ours: row[theirs] for ours, theirs in keys.items() if theirs != ours and theirs in row}
+    return {**row, **mapped} if mapped else row
+
+
+def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_chars: int = 4096, max_reject_ratio: float = 0.05,
+              keys: dict[str, str] | None = None) -> LoadResult:
     """Read and validate `path` as `kind` data; write rejects (JSONL: line, reason, row) to `rejects_path`.
+    `keys`: our column name -> the file's (see `map_keys`); a missing one is named both ways.
 
     Raises DataError if the file is missing, no row is valid, or more than `max_reject_ratio`
     of the rows are rejected.
     """
+    renamed = {ours: theirs for ours, theirs in (keys or {}).items() if theirs != ours}
     if kind not in SCHEMAS:
         raise ValueError(f"unknown data kind {kind!r}; valid: {sorted(SCHEMAS)}")
     path = Path(path)
@@ -143,7 +153,11 @@ def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_char
     rows, rejects, seen_ids = [], [], set()
     for lineno, row, reason in _iter_rows(path):
         if reason is None:
+            row = map_keys(row, renamed)
             reason = validate_row(row, kind, max_chars)
+            missing = reason and reason.startswith("missing key ") and reason.split("'")[1]
+            if missing in renamed:
+                reason = f"missing key {renamed[missing]!r} (the {missing} column, set by its *_key setting)"
         if reason is None and "id" in row:
             if row["id"] in seen_ids:
                 reason = f"duplicate id {row['id']!r}"
@@ -158,7 +172,7 @@ def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_char
     write_jsonl(rejects_path, rejects, ensure_ascii=True)
     result = LoadResult(rows, total, len(rejects), reasons, rejects_path)
     if total == 0 or not rows:
-        raise DataError(f"{path}: no valid {kind} rows ({len(rejects)} rejected; see {rejects_path})")
+        raise DataError(f"{path}: no valid {kind} rows ({len(rejects)} rejected: {dict(reasons)}; see {rejects_path})")
     if len(rejects) / total > max_reject_ratio:
         raise DataError(
             f"{path}: {len(rejects)} of {total} rows ({len(rejects) / total:.1%}) rejected, above "

@@ -40,7 +40,8 @@ def response_text(row: dict) -> str:
 
 
 def load_data(path: str, kind: str, cfg: TrainConfig, rejects_path: Path) -> list[dict]:
-    result = load_rows(path, kind, rejects_path=rejects_path, max_chars=cfg.max_chars, max_reject_ratio=cfg.max_reject_ratio)
+    keys = {"prompt": cfg.input_key, "response": cfg.output_key, "label": cfg.label_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
+    result = load_rows(path, kind, rejects_path=rejects_path, max_chars=cfg.max_chars, max_reject_ratio=cfg.max_reject_ratio, keys=keys)
     if result.num_rejected:
         log.warning("%s: %d of %d rows rejected (%s); see %s", path, result.num_rejected, result.num_total, dict(result.reasons), rejects_path)
     return result.rows

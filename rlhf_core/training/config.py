@@ -57,6 +57,14 @@ class TrainConfig:
     max_len: int = 64
     """Max tokens of prompt + response; longer rows are rejected (counted) at load time."""
     max_chars: int = 4096
+    input_key: str = "prompt"
+    """The data's prompt column (OpenRLHF's --input_key), for train and eval data alike; the four
+    below likewise name the response (sft), label (rl, eval), chosen and rejected (rm, dpo) columns.
+    A row that has our own column name instead (`prompt`) is read as is."""
+    output_key: str = "response"
+    label_key: str = "label"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
     max_reject_ratio: float = 0.05
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted after a newer one is complete)."""

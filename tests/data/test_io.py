@@ -80,3 +80,27 @@ def test_missing_file_and_unknown_format(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported data format"):
         load_rows(tmp_path / "x.csv", "sft", rejects_path=tmp_path / "r.jsonl")
+
+
+def test_key_mapping_reads_openrlhf_style_columns(tmp_path):
+    """input_key / label_key / chosen_key / rejected_key name the file's columns (OpenRLHF's flags);
+    a row with neither that column nor ours is rejected with a reason naming it."""
+    from rlhf_core.training.common import load_data
+    from rlhf_core.training.config import TrainConfig
+
+    f = tmp_path / "math.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [{"question": "1+1=", "answer": 2}, {"question": "2+2=", "answer": "4"},
+                                                  {"prompt": "3+3=", "answer": "6"}, {"q": "4+4=", "answer": "8"}]) + "\n")
+    cfg = TrainConfig(input_key="question", label_key="answer", max_reject_ratio=0.5)
+    rows = load_data(str(f), "rl", cfg, tmp_path / "rejects.jsonl")
+    # a row with our own column name instead reads as is (the task's own eval data beside a user's)
+    assert [(r["prompt"], r["label"]) for r in rows] == [("1+1=", "2"), ("2+2=", "4"), ("3+3=", "6")]
+    reject = json.loads((tmp_path / "rejects.jsonl").read_text())
+    assert reject["line"] == 4 and reject["reason"] == "missing key 'question' (the prompt column, set by its *_key setting)"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"q": "hi", "good": "hello", "bad": "go away"}) + "\n")
+    cfg = TrainConfig(input_key="q", chosen_key="good", rejected_key="bad")
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in load_data(str(pairs), "pref", cfg, tmp_path / "r2.jsonl")] == [
+        ("hi", "hello", "go away")]
+    with pytest.raises(DataError, match="missing key 'good '"):  # a typo in the setting
+        load_data(str(pairs), "pref", TrainConfig(input_key="q", chosen_key="good ", rejected_key="bad"), tmp_path / "r3.jsonl")
