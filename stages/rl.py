@@ -293,7 +293,8 @@ class Roles:
         # torch threads per role: colocated roles take turns on the bundle's CPUs (a step's phases
         # run one after the other), so each uses all of them; separate ones use their own share
         threads = max(1, int(cfg.cpus_per_worker)) if colocated else max(1, int(cfg.rollout_cpus))
-        self.reference = ray.remote(ForwardWorker).options(**place(0, 0.25, cfg.rollout_gpus)).remote(
+        # LoRA: the reference is the policy's base with its adapters off (`evaluate_base`), no copy
+        self.reference = None if cfg.lora_rank else ray.remote(ForwardWorker).options(**place(0, 0.25, cfg.rollout_gpus)).remote(
             model_path, cfg.dtype, cfg.trust_remote_code, threads if colocated else 1)
         # partial rollouts: weight syncs in a thread of their own, beside the round being generated
         self.sync_group = RolloutWorker.SYNC_GROUP if cfg.partial_rollout_tokens > 0 else None
@@ -316,8 +317,8 @@ class Roles:
             cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads if colocated else 1, cfg.reward_url_protocol)
         self.timeout = cfg.rollout_timeout
         # surface construction errors (bad model path, missing reward file, engine start-up) now
-        self.get([w.ready.remote() for w in self.rollout] + [self.reward.ready.remote(), self.reference.ready.remote()],
-                 "starting the rollout/reward/reference actors")
+        others = [self.reward] + ([self.reference] if self.reference else [])
+        self.get([w.ready.remote() for w in self.rollout + others], "starting the rollout/reward/reference actors")
         log.info("rollout engines on %s", ", ".join(self.get([w.node.remote() for w in self.rollout], "placement")))
         for group, _ in self.trainers():
             group.ready()
@@ -340,7 +341,8 @@ class Roles:
 
     def peak_memory(self) -> dict:
         """Peak resident memory (MiB) of each role's processes, and of this driver."""
-        groups = {"policy": self.policy.workers, "critic": self.critic.workers if self.critic else [], "reference": [self.reference],
+        groups = {"policy": self.policy.workers, "critic": self.critic.workers if self.critic else [],
+                  "reference": [self.reference] if self.reference else [],
                   "rollout": self.rollout, "reward": [self.reward]}
         out = {f"mem/peak_mb_{role}": max(self.get([a.peak_rss_mb.remote() for a in actors], "memory report"))
                for role, actors in groups.items() if actors}
@@ -514,13 +516,16 @@ def forward_stats(roles: Roles, cfg: Config, kept: RolloutBatch, collate) -> Rol
     and values (critic)."""
     batches = common.batches(collate, kept, cfg.eval_batch_size)
     logprobs = partial(rl_step.logprobs_fn, temperature=cfg.temperature)  # the distribution the engine sampled from
-    ref = roles.reference.evaluate.remote(batches, logprobs)
-    if cfg.layout == "colocated":
+    if roles.reference is None:  # LoRA: the policy's base, adapters off
+        ref = roles.policy.call_rank0("evaluate_base", batches, logprobs)
+    else:
+        ref = roles.reference.evaluate.remote(batches, logprobs)
+    if cfg.layout == "colocated" and roles.reference is not None:
         # the roles share the bundle's cores: one forward at a time (two at once oversubscribe them)
         ref = roles.get(ref, "reference forward")
     old = roles.policy.call_rank0("evaluate", batches, logprobs) if recompute_old(cfg) else None
     values = roles.critic.call_rank0("evaluate", batches, rl_step.values_fn) if roles.critic else None
-    ref = ref if cfg.layout == "colocated" else roles.get(ref, "reference forward")
+    ref = ref if cfg.layout == "colocated" or roles.reference is None else roles.get(ref, "reference forward")
     return kept.with_columns(old_logprobs=old, ref_logprobs=ref, old_values=values)
 
 

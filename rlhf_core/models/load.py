@@ -17,9 +17,10 @@ def check_model_path(path: str) -> None:
         raise FileNotFoundError(f"model_path {path!r} does not exist (run the upstream stage first, or set --set STAGE.model_path=...)")
 
 
-def load_model(path: str, kind: str = "causal_lm", dtype: str | None = "float32", trust_remote_code: bool = False):
+def load_model(path: str, kind: str = "causal_lm", dtype: str | None = "float32", trust_remote_code: bool = False, load_in_4bit: bool = False):
     """`kind` (one of KINDS) from `path`.  `dtype`: a torch dtype name ("float32", "bfloat16"), or
-    None for transformers' default (the reward model keeps the dtype it was saved in)."""
+    None for transformers' default (the reward model keeps the dtype it was saved in).
+    `load_in_4bit`: NF4 weights with bf16 compute (QLoRA's base; bitsandbytes on CUDA)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
@@ -29,6 +30,13 @@ def load_model(path: str, kind: str = "causal_lm", dtype: str | None = "float32"
     cls = {"causal_lm": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification, "value": AutoModelForTokenClassification}[kind]
     heads = {} if kind == "causal_lm" else {"num_labels": 1}
     dtypes = {} if dtype is None else {"dtype": getattr(torch, dtype)}
+    if load_in_4bit:
+        if not torch.cuda.is_available():
+            raise RuntimeError("load_in_4bit needs a CUDA GPU (bitsandbytes' 4-bit kernels); this worker has none")
+        from transformers import BitsAndBytesConfig
+
+        dtypes["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                                           bnb_4bit_compute_dtype=torch.bfloat16)
     return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **heads, **dtypes)
 
 

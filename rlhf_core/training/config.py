@@ -43,6 +43,16 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward instead of keeping them (transformers'
     gradient checkpointing): about a third more compute for activation memory of one layer."""
+    lora_rank: int = 0
+    """LoRA (peft): rank-r adapters on `lora_target_modules`, the base weights frozen (0: full
+    fine-tuning).  `model/` holds the merged model (any engine loads it), `model/adapter/` the
+    adapter with the base it belongs to; rl's reference is the base with the adapters switched off."""
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+    """Comma-separated module names (`q_proj,v_proj`), or all-linear (every linear layer but the head)."""
+    load_in_4bit: bool = False
+    """QLoRA: the frozen base quantised to 4-bit NF4 under the LoRA adapters (bitsandbytes, CUDA only)."""
     offload: Literal["none", "optimizer", "all"] = "none"
     """ZeRO offload to CPU memory: the optimizer states (needs zero_stage >= 1), or those and the
     parameters (`all`, needs zero_stage 3).  For models that do not fit on the GPUs."""
@@ -89,6 +99,13 @@ class TrainConfig:
             raise ValueError("max_steps and save_steps must be >= 1")
         if self.micro_batch_size < 0:
             raise ValueError(f"micro_batch_size must be >= 0 (0: no gradient accumulation), not {self.micro_batch_size}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), not {self.lora_rank}")
+        if self.lora_rank and self.zero_stage == 3:
+            raise ValueError("lora_rank with zero_stage=3 is not supported: the adapters are small, use zero_stage <= 2")
+        if self.load_in_4bit and not (self.lora_rank and self.gpus_per_worker > 0):
+            raise ValueError("load_in_4bit (QLoRA) trains LoRA adapters over a 4-bit base: it needs lora_rank > 0 and GPUs "
+                             "(gpus_per_worker > 0; bitsandbytes' 4-bit kernels are CUDA-only)")
         if self.offload == "optimizer" and self.zero_stage < 1 or self.offload == "all" and self.zero_stage != 3:
             need = "zero_stage >= 1" if self.offload == "optimizer" else "zero_stage=3"
             raise ValueError(f"offload={self.offload} needs {need} (ZeRO holds what it offloads); zero_stage is {self.zero_stage}")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf_core.models import lora
 from rlhf_core.models.load import load_model
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
@@ -31,10 +32,16 @@ class TrainWorker(PeakMemory):
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)
         init_distributed(rank, world_size, master)
-        model = load_model(model_path, model_kind, cfg.dtype, cfg.trust_remote_code)
-        if cfg.gradient_checkpointing:
+        model = load_model(model_path, model_kind, cfg.dtype, cfg.trust_remote_code, load_in_4bit=cfg.load_in_4bit)
+        if cfg.load_in_4bit:
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        elif cfg.gradient_checkpointing:
             # non-reentrant: works under ZeRO-3's parameter hooks and with inputs that need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.lora_rank:
+            model = lora.add_lora(model, model_kind, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
         if pad_token_id is not None and getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = pad_token_id  # sequence classification finds the last token by it
         self.engine = build_engine(model, cfg)
@@ -100,6 +107,12 @@ class TrainWorker(PeakMemory):
         return out
 
     @torch.no_grad()
+    def evaluate_base(self, batches: list[dict], eval_fn) -> list:
+        """`evaluate` with the LoRA adapters switched off: the base model (rl's reference)."""
+        with self.engine.module.disable_adapter():
+            return self.evaluate(batches, eval_fn)
+
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_id: int, batch_size: int) -> list[list[int]]:
         """Greedy continuations (token ids, without the prompt), left-padded batches."""
         from rlhf_core.rollout.hf_engine import greedy_generate
@@ -136,13 +149,16 @@ class TrainWorker(PeakMemory):
             raise CheckpointLoadError(f"checkpoint {ckpt_dir} could not be loaded (rank {self.rank}): {explain(e)}") from e
 
     def save_model(self, out_dir: str) -> None:
-        """HF format (safetensors) from rank 0; ZeRO-3 parameters are gathered first."""
+        """HF format (safetensors) from rank 0; ZeRO-3 parameters are gathered first; LoRA: the
+        merged model, and the adapter in `adapter/`."""
         if self.cfg.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None):
                 if self.rank == 0:
                     self.engine.module.save_pretrained(out_dir, safe_serialization=True)
+        elif self.rank == 0 and lora.is_lora(self.engine.module):
+            lora.save_merged(self.engine.module, out_dir)
         elif self.rank == 0:
             self.engine.module.save_pretrained(out_dir, safe_serialization=True)
         dist.barrier()
@@ -157,7 +173,8 @@ class TrainWorker(PeakMemory):
 
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
                 return [(k, v.detach().cpu().clone()) for k, v in module.state_dict().items()] if self.rank == 0 else []
-        return [(k, v.detach().cpu().clone()) for k, v in module.state_dict().items()] if self.rank == 0 else []
+        weights = lora.merged_state_dict(module) if lora.is_lora(module) else module.state_dict()  # engines hold plain HF weights
+        return [(k, v.detach().cpu().clone()) for k, v in weights.items()] if self.rank == 0 else []
 
     def params_finite(self) -> bool:
         return all(torch.isfinite(p).all() for p in self.engine.module.parameters())

@@ -238,3 +238,30 @@ def test_lineage_show_and_verify_chain(project, dpo_artifact):
             assert bad.returncode == 1 and needle in bad.stderr, (needle, bad.stderr)
         finally:
             victim.write_bytes(original)
+
+
+@pytest.mark.xdist_group("sft_later")
+def test_lora_sft_rm_dpo(project, ray_head, sft_reference):
+    """lora_rank trains adapters over a frozen base in sft, rm and dpo: `model/` is the merged model
+    (it differs from the base only by the adapters' low-rank updates), `model/adapter/` the adapter
+    naming its base; dpo starts from the LoRA sft's merged model and learns on top."""
+    lora = ["--set", "{0}.lora_rank=4", "--set", "{0}.lora_alpha=8", "--set", "{0}.max_steps=3", "--set", "{0}.save_steps=3",
+            "--set", "{0}.global_batch_size=16", "--set", "{0}.eval_max_new_tokens=2"]
+    args = lambda stage, out, start: [a.format(stage) for a in lora] + ["--set", f"{stage}.output_dir={out}",  # noqa: E731
+                                                                       "--set", f"{stage}.model_path={start}"]
+    proc = run_stage(project, ray_head, "sft", *args("sft", "artifacts/sft_lora", "artifacts/base"), "--set", "sft.lr=1e-2")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    out = project / "artifacts" / "sft_lora"
+    base = load_file(str(project / "artifacts" / "base" / "model.safetensors"))
+    merged = weights(out)
+    assert set(merged) == set(base)  # a plain HF model under the base's names
+    delta = merged["model.layers.0.self_attn.q_proj.weight"] - base["model.layers.0.self_attn.q_proj.weight"]
+    assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta).item() <= 4  # a rank-4 update
+    assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # frozen: no adapter there
+    adapter = json.loads((out / "model" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and adapter["base_model_name_or_path"].endswith("base")
+    assert verify_manifest(out) == []
+    for stage, start in (("rm", "artifacts/sft_lora/model"), ("dpo", "artifacts/sft_lora/model")):
+        proc = run_stage(project, ray_head, stage, *args(stage, f"artifacts/{stage}_lora", start))
+        assert proc.returncode == 0, f"{stage}: {proc.stdout[-3000:]}"
+        assert (project / "artifacts" / f"{stage}_lora" / "model" / "adapter" / "adapter_model.safetensors").exists()
