@@ -97,6 +97,9 @@ class Config(TrainConfig):
     """CPUs (and torch threads) of each rollout engine in layout=separate; colocated, the engine
     and the reference use the trainer's `cpus_per_worker` threads (their phases take turns)."""
     rollout_gpus: float = 0.0
+    rollout_tensor_parallel: int = 1
+    """vLLM tensor-parallel size of each engine (layout=separate, rollout_gpus >= this): the engine
+    actor holds that many GPUs and vLLM shards the model over them in worker processes of its own."""
     rollout_resource: str = ""
     """layout=separate: a custom Ray resource each rollout engine takes one unit of, which places
     the engines on the nodes started with it (`ray start --resources='{"rollout": 8}'`): e.g.
@@ -221,6 +224,10 @@ class Config(TrainConfig):
                 raise ValueError(f"rl.max_staleness must be >= 1 with rl.mode=async (rounds generated ahead), got {self.max_staleness}")
             if self.engine_sleep:
                 raise ValueError("rl.engine_sleep frees the engines during updates, when rl.mode=async has them generating: unset one")
+        if self.rollout_tensor_parallel > 1 and (self.engine != "vllm" or self.layout != "separate"
+                                                 or self.rollout_gpus < self.rollout_tensor_parallel):
+            raise ValueError(f"rl.rollout_tensor_parallel={self.rollout_tensor_parallel} shards a vLLM engine over GPUs of its own: it needs "
+                             f"engine=vllm, layout=separate and rollout_gpus >= {self.rollout_tensor_parallel}")
         if self.rollout_resource and self.layout != "separate":
             raise ValueError("rl.rollout_resource places the rollout engines on nodes of their own: it needs rl.layout=separate "
                              "(colocated engines share the trainers' bundles)")
@@ -305,14 +312,15 @@ class Roles:
                 cfg.engine, model_path, cfg.max_len, cfg.seed + i, cfg.agent, cfg.agent_file and str(Path(cfg.agent_file).resolve()),
                 cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep and cfg.engine_sleep_level,
                 cfg.trust_remote_code, threads,
-                cfg.partial_rollout_tokens)
+                cfg.partial_rollout_tokens, cfg.rollout_tensor_parallel)
             for i in range(cfg.rollout_workers)
         ]
         builtin = not (cfg.reward_file or cfg.reward_model or cfg.reward_url) and cfg.agent == "single_turn" and not cfg.agent_file
         weights = {"reward_file": cfg.reward_file_weight, "reward_model": cfg.reward_model_weight, "reward_url": cfg.reward_url_weight,
                    "env": cfg.env_reward_weight}
         absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
-        self.reward = ray.remote(RewardWorker).options(**place(0, 0.25, 0.0)).remote(
+        # a reward model computes on a GPU where the engines have them; a reward file or URL needs none
+        self.reward = ray.remote(RewardWorker).options(**place(0, 0.25, cfg.rollout_gpus if cfg.reward_model else 0.0)).remote(
             absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
             cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads if colocated else 1, cfg.reward_url_protocol)
         self.timeout = cfg.rollout_timeout

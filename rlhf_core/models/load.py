@@ -40,6 +40,14 @@ def load_model(path: str, kind: str = "causal_lm", dtype: str | None = "float32"
     return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **heads, **dtypes)
 
 
+def actor_device():
+    """The device an actor computes on: its GPU where Ray gave it one (Ray sets each actor's
+    CUDA_VISIBLE_DEVICES to its own GPUs, so that is cuda:0 inside it), else the CPU."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The tokenizer of `path`; one without a pad token pads with EOS (common for hub models;
     padding is masked everywhere)."""

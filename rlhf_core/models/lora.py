@@ -33,18 +33,24 @@ def is_lora(model) -> bool:
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The base model's state dict under its own (HF) names with every adapter merged in -- what
     `merge_and_unload()` would give, but the live model keeps its adapters (merging and unmerging
-    in place would drift the base weights by rounding at every weight sync)."""
+    in place would drift the base weights by rounding at every weight sync).  A 4-bit base
+    (QLoRA) is dequantised: engines and `model/` get plain weights."""
     from peft.tuners.lora import LoraLayer
+    from peft.utils.integrations import dequantize_module_weight
 
     base = model.get_base_model()
-    deltas = {f"{name}.weight": module.get_delta_weight(module.active_adapters[0])
-              for name, module in base.named_modules() if isinstance(module, LoraLayer) and module.active_adapters}
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer) and m.active_adapters}
     out = {}
     for key, value in base.state_dict().items():
-        if ".lora_" in key or ".original_module." in key:
-            continue
-        key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        out[key] = value + deltas[key].to(value.dtype) if key in deltas else value
+        if ".lora_" in key or ".original_module." in key or any(key.startswith(f"{name}.base_layer.") for name in adapted):
+            continue  # adapters, a trained head's frozen original, an adapted layer's (possibly quantised) base
+        out[key.replace(".modules_to_save.default.", ".")] = value
+    for name, module in adapted.items():
+        layer = module.get_base_layer()
+        weight = dequantize_module_weight(layer)
+        out[f"{name}.weight"] = weight + module.get_delta_weight(module.active_adapters[0]).to(weight.dtype)
+        if getattr(layer, "bias", None) is not None:
+            out[f"{name}.bias"] = layer.bias
     return out
 
 

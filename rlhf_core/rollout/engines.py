@@ -52,7 +52,7 @@ def _reload_weights(worker, items) -> None:
 
 class VLLMEngine:
     def __init__(self, model_path: str, max_model_len: int, seed: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05,
-                 enable_sleep_mode: bool = False, trust_remote_code: bool = False, sleep_level: int = 1):
+                 enable_sleep_mode: bool = False, trust_remote_code: bool = False, sleep_level: int = 1, tensor_parallel_size: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight updates are plain calls
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
@@ -62,6 +62,9 @@ class VLLMEngine:
         self.sleep_enabled, self.sleep_level = enable_sleep_mode, sleep_level
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=True, seed=seed, enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code,
+                       # tensor parallel: vLLM's worker processes on this actor's GPUs; each one's
+                       # `reload_weights` takes the full weights and keeps its shard
+                       tensor_parallel_size=tensor_parallel_size, **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
                        # log-probs of the distribution sampled from (after temperature), as the
                        # trainer computes them; the default, raw logits, ignores the temperature
                        logprobs_mode="processed_logprobs",
@@ -95,9 +98,10 @@ class HFEngine:
     sample does not depend on what else is in the batch)."""
 
     def __init__(self, model_path: str, max_model_len: int, seed: int, dtype: str = "float32", trust_remote_code: bool = False, **_):
-        from rlhf_core.models.load import load_model
+        from rlhf_core.models.load import actor_device, load_model
 
-        self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval()
+        self.device = actor_device()
+        self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval().to(self.device)
         self.eos = self.model.generation_config.eos_token_id
         self.pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos
 
@@ -105,8 +109,8 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int]) -> list[Completion]:
         out = []
         for prompt, budget, seed in zip(prompts, max_tokens, seeds):
-            ids = torch.tensor([prompt])
-            gen = torch.Generator().manual_seed(seed)
+            ids = torch.tensor([prompt], device=self.device)
+            gen = torch.Generator(device=self.device).manual_seed(seed)
             tokens, lps, reason = [], [], "length"
             past = None
             for _ in range(budget):
@@ -121,7 +125,7 @@ class HFEngine:
                 # the tempered distribution's log-prob (the one sampled from), as vLLM's processed log-probs
                 tempered = logp if temperature in (0.0, 1.0) else torch.log_softmax(res.logits[0, -1].float() / temperature, -1)
                 lps.append(float(tempered[tok]))
-                ids = torch.cat([ids, torch.tensor([[tok]])], 1)
+                ids = torch.cat([ids, torch.tensor([[tok]], device=self.device)], 1)
                 if tok == self.eos:
                     reason = "stop"
                     break

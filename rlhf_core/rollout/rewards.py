@@ -134,13 +134,14 @@ class ModelReward:
     normalised by."""
 
     def __init__(self, path: str, pad_token_id: int, normalize: bool = True, trust_remote_code: bool = False):
-        from rlhf_core.models.load import load_model
+        from rlhf_core.models.load import actor_device, load_model
 
         stats_path = Path(path) / "reward_stats.json"
         stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
         self.pooling = stats.get("pooling", "last")
         kind = {"last": "reward", "logprob": "causal_lm"}.get(self.pooling, "value")  # token-level poolings: a value head
-        self.model = load_model(path, kind, dtype=None, trust_remote_code=trust_remote_code).eval()
+        self.device = actor_device()
+        self.model = load_model(path, kind, dtype=None, trust_remote_code=trust_remote_code).eval().to(self.device)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = pad_token_id
         self.pad = self.model.config.pad_token_id
@@ -158,7 +159,7 @@ class ModelReward:
         width = max(len(x) for x in seqs)
         ids = torch.tensor([x + [self.pad] * (width - len(x)) for x in seqs])
         mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
-        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.cpu()
         if self.pooling == "last":
             scores = logits.squeeze(-1).float()
         else:

@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import torch
 
-from rlhf_core.models.load import load_model, load_tokenizer
+from rlhf_core.models.load import actor_device, load_model, load_tokenizer
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
 
@@ -30,7 +30,7 @@ class RolloutWorker(PeakMemory):
 
     def __init__(self, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
                  max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: int = 0,
-                 trust_remote_code: bool = False, threads: int = 1, segment: int = 0):
+                 trust_remote_code: bool = False, threads: int = 1, segment: int = 0, tensor_parallel: int = 1):
         from rlhf_core.rollout.agents import environments
         from rlhf_core.rollout.engines import ENGINES
 
@@ -38,7 +38,8 @@ class RolloutWorker(PeakMemory):
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         # every engine takes the same settings and ignores what it has no use for (hf: memory, sleep)
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                                      enable_sleep_mode=bool(sleep), sleep_level=int(sleep) or 1, trust_remote_code=trust_remote_code)
+                                      enable_sleep_mode=bool(sleep), sleep_level=int(sleep) or 1, trust_remote_code=trust_remote_code,
+                                      tensor_parallel_size=tensor_parallel)
         self.envs = environments(agent, agent_file, env_timeout)  # a user's file: in a process of its own, killed on a timeout
         self.max_len, self.max_turns, self.segment = max_len, max_turns, segment
         self.version = 0
@@ -176,14 +177,16 @@ class ForwardWorker(PeakMemory):
 
     def __init__(self, model_path: str, dtype: str = "float32", trust_remote_code: bool = False, threads: int = 1):
         torch.set_num_threads(max(1, threads))
-        self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval()
+        self.device = actor_device()
+        self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval().to(self.device)
 
     def ready(self) -> bool:
         return True
 
     @torch.no_grad()
     def evaluate(self, batches: list[dict], fn) -> list:
+        """`fn(model, batch) -> list` over batches (its results come back on the CPU)."""
         out = []
         for b in batches:
-            out.extend(fn(self.model, b))
+            out.extend(fn(self.model, {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in b.items()}))
         return out
