@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: otherwise pip resolves a multi-GB CUDA build
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints-cpu.txt torch
-	$(BIN)/pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[cpu,dev]"
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[cpu,dev,wandb]"
 	$(BIN)/pip uninstall -q -y $(BROKEN_EXTRAS) 2>/dev/null || true
 	touch $(STAMP)
 

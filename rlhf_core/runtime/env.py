@@ -21,7 +21,8 @@ NAMES = {
     "XDG_CACHE_HOME", "TOKENIZERS_PARALLELISM", "NO_PROXY", "no_proxy",
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",  # HTTPS to a reward server
 }
-PREFIXES = ("LC_", "RAY_", "VLLM_", "CUDA_", "NCCL_", "GLOO_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_")
+PREFIXES = ("LC_", "RAY_", "VLLM_", "CUDA_", "NCCL_", "GLOO_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_",
+            "WANDB_")  # WANDB_API_KEY is a secret like any *_KEY: forwarded only when named in RLHF_FORWARD_ENV
 # a name with one of these words (between underscores) is a secret, unless it names a path or a mode
 SECRET_WORDS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS", "PRIVATE", "SESSION"}
 NOT_SECRET_SUFFIXES = ("_PATH", "_FILE", "_DIR", "_MODE")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rlhf_core import atomic, registry
 from rlhf_core.config import config_secrets
-from rlhf_core.runtime.env import extra_names
+from rlhf_core.runtime.env import allowed, extra_names
 
 log = logging.getLogger("rlhf.jobs")
 
@@ -142,4 +142,6 @@ def forward_env() -> dict[str, str]:
     an allow-list, never secrets; plus what `RLHF_FORWARD_ENV` names (`runtime/env.py`)."""
     keys = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "RLHF_FAULT", "RLHF_FAULT_ONCE", "RLHF_PREFECT_FLOW_RUN_ID",
             "RLHF_PREFECT_TASK_RUN_ID", *extra_names())
-    return {k: os.environ[k] for k in keys if k in os.environ}
+    # W&B's settings (mode, project, entity, dir...) for report_to=wandb; its API key only if named
+    wandb = [k for k in os.environ if k.startswith("WANDB_") and allowed(k)]
+    return {k: os.environ[k] for k in (*keys, *wandb) if k in os.environ}

@@ -246,18 +246,26 @@ class NanGuard:
 
 
 class StepLog:
-    """train_history.jsonl (what `dvc plots` reads), TensorBoard scalars and a progress bar with
-    ETA, from `step` on (`start_or_resume` emptied or trimmed the history).  One namespace for both:
-    a key without a `/` goes under `prefix/` (sft's `loss` -> `train/loss`, rl's `kl` -> `rl/kl`),
-    so a history key is the TensorBoard tag and the same statistic has one name in every stage."""
+    """train_history.jsonl (what `dvc plots` reads), TensorBoard scalars and/or a W&B run
+    (`cfg.report_to`) and a progress bar with ETA, from `step` on (`start_or_resume` emptied or
+    trimmed the history).  One namespace for all: a key without a `/` goes under `prefix/` (sft's
+    `loss` -> `train/loss`, rl's `kl` -> `rl/kl`), so a history key is the TensorBoard tag and the
+    W&B key, and the same statistic has one name in every stage."""
 
-    def __init__(self, out_dir: Path, name: str, max_steps: int, step: int, prefix: str):
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, out_dir: Path, name: str, max_steps: int, step: int, prefix: str, cfg: TrainConfig | None = None,
+                 run_id: str = ""):
         from tqdm import tqdm
 
         self.path, self.prefix, self.max_steps, self.start_step, self.t0 = out_dir / HISTORY, prefix, max_steps, step, time.time()
         self.t_last = self.t0
-        self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+        report_to = (cfg.report_to if cfg else "tensorboard").split(",")
+        self.writer, self.wandb = None, None
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+        if "wandb" in report_to:
+            self.wandb = wandb_run(out_dir, name, cfg, run_id)
         self.bar = tqdm(total=max_steps, initial=step, desc=name, unit="step", dynamic_ncols=True, mininterval=2)
 
     def write(self, row: dict) -> None:
@@ -273,8 +281,11 @@ class StepLog:
         self.bar.update(1)
 
     def scalars(self, metrics: dict, step: int) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, step)
+        if self.writer:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
 
     def elapsed(self) -> float:
         return time.time() - self.t0
@@ -288,7 +299,26 @@ class StepLog:
 
     def close(self) -> None:
         self.bar.close()
-        self.writer.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def wandb_run(out_dir: Path, name: str, cfg: TrainConfig, run_id: str):
+    """A W&B run for the stage, under out_dir/wandb/, with the resolved config (credentials
+    redacted).  `run_id` (the run's resume key) makes a resumed stage continue the same run."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("report_to includes wandb but the wandb package is not installed: pip install -e '.[wandb]'") from None
+    from dataclasses import asdict
+
+    from rlhf_core.config import redact
+
+    (out_dir / "wandb").mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=cfg.wandb_project, name=f"{name}-{out_dir.name}", dir=str(out_dir), config=redact(asdict(cfg)),
+                      id=run_id[:32] or None, resume="allow" if run_id else None)
 
 
 def reduce_ranks(results: list[dict]) -> dict:

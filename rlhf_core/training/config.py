@@ -82,6 +82,12 @@ class TrainConfig:
     """Resume from checkpoints/latest when present; false wipes old checkpoints and starts over."""
     max_nan_steps: int = 5
     """Abort after this many consecutive steps with a non-finite loss (each is skipped and counted)."""
+    report_to: str = "tensorboard"
+    """Where step metrics go besides train_history.jsonl: `tensorboard`, `wandb` or both
+    (`tensorboard,wandb`).  W&B runs under OUTPUT_DIR/wandb/ and takes the usual WANDB_* settings
+    (WANDB_MODE=offline: nothing leaves the machine, `wandb sync` later); the API key reaches the
+    job only when named: RLHF_FORWARD_ENV=WANDB_API_KEY."""
+    wandb_project: str = "rlhf"
     trust_remote_code: bool = False
     """Run model code shipped with a hub model; off unless you trust it."""
     eval_max_new_tokens: int = 8
@@ -99,6 +105,9 @@ class TrainConfig:
             raise ValueError("max_steps and save_steps must be >= 1")
         if self.micro_batch_size < 0:
             raise ValueError(f"micro_batch_size must be >= 0 (0: no gradient accumulation), not {self.micro_batch_size}")
+        unknown = set(self.report_to.split(",")) - {"tensorboard", "wandb"}
+        if unknown:
+            raise ValueError(f"report_to: unknown {sorted(unknown)}; use tensorboard, wandb or tensorboard,wandb")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), not {self.lora_rank}")
         if self.lora_rank and self.zero_stage == 3:

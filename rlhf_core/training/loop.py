@@ -171,7 +171,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
         state.init_metrics = {k + "_init": v for k, v in spec.evaluate(group).items()}
         log.info("before training: %s", state.init_metrics)
 
-    steplog = StepLog(out_dir, spec.name, cfg.max_steps, state.step, prefix="train")
+    steplog = StepLog(out_dir, spec.name, cfg.max_steps, state.step, prefix="train", cfg=cfg, run_id=state.resume_key)
     cadence, nan_guard = Cadence.of(cfg), NanGuard(cfg.max_nan_steps, "steps", f"Lower {spec.name}.lr or check the data.")
     tokens = 0
     while state.step < cfg.max_steps:

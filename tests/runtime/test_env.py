@@ -21,10 +21,11 @@ def test_head_env_is_an_allow_list_without_secrets():
     environ = {"PATH": "/bin", "HOME": "/root", "LC_ALL": "C", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1",
                "RAY_AUTH_TOKEN_PATH": "/root/.ray/t", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "HF_TOKEN": SECRET, "VLLM_API_KEY": SECRET, "RLHF_TEST_API_KEY": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET,
-               "DB_PASSWORD": SECRET, "HTTPS_PROXY": f"http://u:{SECRET}@proxy", "PREFECT_API_KEY": SECRET, "PIP_CERT": "/x"}
+               "DB_PASSWORD": SECRET, "HTTPS_PROXY": f"http://u:{SECRET}@proxy", "PREFECT_API_KEY": SECRET, "PIP_CERT": "/x",
+               "WANDB_MODE": "offline", "WANDB_API_KEY": SECRET}
     kept = E.head_env(environ)
     assert set(kept) == {"PATH", "HOME", "LC_ALL", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "RAY_AUTH_TOKEN_PATH",
-                         "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE"}
+                         "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "WANDB_MODE"}
     # an explicit choice passes a named variable, secret or not
     assert E.head_env({**environ, "RLHF_FORWARD_ENV": "HF_TOKEN, PIP_CERT"}).keys() == kept.keys() | {"HF_TOKEN", "PIP_CERT"}
 

@@ -244,14 +244,18 @@ def test_lineage_show_and_verify_chain(project, dpo_artifact):
 def test_lora_sft_rm_dpo(project, ray_head, sft_reference):
     """lora_rank trains adapters over a frozen base in sft, rm and dpo: `model/` is the merged model
     (it differs from the base only by the adapters' low-rank updates), `model/adapter/` the adapter
-    naming its base; dpo starts from the LoRA sft's merged model and learns on top."""
+    naming its base; rm and dpo start from the LoRA sft's merged model.  The sft run also logs to
+    W&B (offline)."""
     lora = ["--set", "{0}.lora_rank=4", "--set", "{0}.lora_alpha=8", "--set", "{0}.max_steps=3", "--set", "{0}.save_steps=3",
             "--set", "{0}.global_batch_size=16", "--set", "{0}.eval_max_new_tokens=2"]
     args = lambda stage, out, start: [a.format(stage) for a in lora] + ["--set", f"{stage}.output_dir={out}",  # noqa: E731
                                                                        "--set", f"{stage}.model_path={start}"]
-    proc = run_stage(project, ray_head, "sft", *args("sft", "artifacts/sft_lora", "artifacts/base"), "--set", "sft.lr=1e-2")
+    # W&B beside TensorBoard, offline (the job gets WANDB_MODE through the environment allow-list)
+    proc = run_stage(project, ray_head, "sft", *args("sft", "artifacts/sft_lora", "artifacts/base"), "--set", "sft.lr=1e-2",
+                     "--set", "sft.report_to=tensorboard,wandb", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = project / "artifacts" / "sft_lora"
+    assert len(list((out / "wandb").glob("offline-run-*/*.wandb"))) == 1 and list((out / "tensorboard").iterdir())
     base = load_file(str(project / "artifacts" / "base" / "model.safetensors"))
     merged = weights(out)
     assert set(merged) == set(base)  # a plain HF model under the base's names

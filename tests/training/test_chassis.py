@@ -82,6 +82,26 @@ def test_step_log_writes_history_and_reports_eta(out):
     assert set(first) - {"step"} == {"train/loss", "critic/loss", "time/step_s"} <= set(tags)
 
 
+def test_step_log_to_wandb_offline(out, monkeypatch):
+    """report_to=wandb (W&B offline: nothing leaves the machine): the run lives in out/wandb/ and
+    holds the same keys as the history, and the config with its credentials redacted."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = TrainConfig(report_to="wandb", wandb_project="tests", model_path="https://u:hunter2@models.example/m")
+    log = StepLog(out, "stage", max_steps=2, step=0, prefix="train", cfg=cfg, run_id="abc123")
+    log.write({"step": 1, "loss": 2.0})
+    log.write({"step": 2, "loss": 1.5})
+    log.scalars({"eval/accuracy": 0.5}, 2)
+    log.close()
+    assert not (out / "tensorboard").exists()  # only where report_to asks
+    runs = list((out / "wandb").glob("offline-run-*-abc123"))
+    assert len(runs) == 1, list((out / "wandb").iterdir())
+    data = b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())
+    assert b"train/loss" in data and b"eval/accuracy" in data and b"models.example" in data and b"hunter2" not in data
+    with pytest.raises(ValueError, match="report_to: unknown"):
+        TrainConfig(report_to="tensorboard,mlflow")
+
+
 def test_reduce_ranks_sums_loss_shares_and_averages_the_rest():
     # two ranks, each loss already divided by the global token count: the global loss is the sum
     row = reduce_ranks([{"loss": 0.25, "lr": 1e-3, "grad_norm": 2.0}, {"loss": 0.5, "lr": 1e-3, "grad_norm": 4.0}])
