@@ -1,7 +1,9 @@
 """Two Ray nodes on this machine -- the embedded head and a node joined to it with `ray start
 --address`, as a cluster's worker node joins -- with work placed across them: sft's ranks one per
 node (STRICT_SPREAD), and rl's rollout engine on the node that has the custom resource."""
+import json
 import re
+import urllib.request
 
 import pytest
 from conftest import SFT_CURVE, history, run_stage
@@ -16,6 +18,13 @@ def two_nodes():
     with LocalRayHead(num_cpus=2, multi_node=True) as head:
         head.add_node(2, {"nodeb": 2})
         yield head.job_address
+
+
+def node_with(address: str, resource: str) -> str:
+    """The id (first 8 characters, as the placement lines show it) of the node holding `resource`."""
+    with urllib.request.urlopen(f"{address}/nodes?view=summary", timeout=10) as r:
+        nodes = json.loads(r.read())["data"]["summary"]
+    return next(n["raylet"]["nodeId"][:8] for n in nodes if resource in n["raylet"]["resourcesTotal"])
 
 
 def placement(text: str, role: str) -> list[str]:
@@ -42,10 +51,12 @@ def test_rl_rollout_engine_on_the_other_node(project, two_nodes, sft_reference):
     proc = run_stage(project, two_nodes, "rl", "--set", "rl.max_steps=1", "--set", "rl.prompts_per_step=4", "--set", "rl.n_samples=4",
                      "--set", "rl.global_batch_size=16", "--set", "rl.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
                      "--set", "rl.pass_k=2", "--set", "rl.sync_check_prompts=8", "--set", "rl.layout=separate",
-                     "--set", "rl.rollout_resource=nodeb", "--set", f"rl.output_dir={out}")
+                     "--set", "rl.rollout_resource=nodeb", "--set", f"rl.output_dir={out}",
+                     # and the policy under ZeRO-3 + offload, accumulating over micro-batches of 4
+                     "--set", "rl.zero_stage=3", "--set", "rl.offload=all", "--set", "rl.micro_batch_size=4")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
-    policy = placement(text, "policy")
     engines = re.search(r"rollout engines on (\S+)", text).group(1)
-    assert engines != policy[0], (engines, policy)
+    assert engines.split("@")[0] == node_with(two_nodes, "nodeb"), engines  # not the head, where the driver runs
+    assert placement(text, "policy")  # the policy says where it ran too
     assert [r["step"] for r in history(project / out)] == [1]

@@ -120,7 +120,9 @@ def test_bad_inputs_have_clear_errors(project, ray_head, tmp_path):
 
 @pytest.mark.xdist_group("sft_later")
 def test_rm_stage(project, ray_head, sft_reference):
-    proc = run_stage(project, ray_head, "rm", "--set", "rm.max_steps=6", "--set", "rm.save_steps=3", "--set", "rm.global_batch_size=16")
+    # under ZeRO-3 with parameters and optimizer states offloaded (every stage runs so)
+    proc = run_stage(project, ray_head, "rm", "--set", "rm.max_steps=6", "--set", "rm.save_steps=3", "--set", "rm.global_batch_size=16",
+                     "--set", "rm.zero_stage=3", "--set", "rm.offload=all")
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = project / "artifacts" / "rm"
     metrics = json.loads((out / "metrics.json").read_text())
@@ -136,9 +138,10 @@ def test_rm_stage(project, ray_head, sft_reference):
 
 @pytest.fixture(scope="module")
 def dpo_artifact(project, ray_head, sft_reference):
-    """artifacts/dpo from the sft model (test_dpo_stage checks it, the lineage test walks it)."""
+    """artifacts/dpo from the sft model (test_dpo_stage checks it, the lineage test walks it), under
+    ZeRO-3 + offload with gradient accumulation (micro-batches of 4 pairs)."""
     proc = run_stage(project, ray_head, "dpo", "--set", "dpo.max_steps=4", "--set", "dpo.save_steps=2", "--set", "dpo.global_batch_size=16",
-                     "--set", "dpo.eval_max_new_tokens=4")
+                     "--set", "dpo.eval_max_new_tokens=4", "--set", "dpo.zero_stage=3", "--set", "dpo.offload=all", "--set", "dpo.micro_batch_size=4")
     assert proc.returncode == 0, proc.stdout[-3000:]
     return project / "artifacts" / "dpo"
 
