@@ -100,6 +100,10 @@ class Config(TrainConfig):
     rollout_tensor_parallel: int = 1
     """vLLM tensor-parallel size of each engine (layout=separate, rollout_gpus >= this): the engine
     actor holds that many GPUs and vLLM shards the model over them in worker processes of its own."""
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    """How the policy's weights reach the engines at each sync: as CPU tensors through Ray's object
+    store, or broadcast by trainer rank 0 in a process group spanning it and every engine (NCCL on
+    GPUs, gloo on CPUs; sync mode only, and on GPUs layout=separate: NCCL puts no two ranks on one GPU)."""
     rollout_resource: str = ""
     """layout=separate: a custom Ray resource each rollout engine takes one unit of, which places
     the engines on the nodes started with it (`ray start --resources='{"rollout": 8}'`): e.g.
@@ -228,6 +232,12 @@ class Config(TrainConfig):
                                                  or self.rollout_gpus < self.rollout_tensor_parallel):
             raise ValueError(f"rl.rollout_tensor_parallel={self.rollout_tensor_parallel} shards a vLLM engine over GPUs of its own: it needs "
                              f"engine=vllm, layout=separate and rollout_gpus >= {self.rollout_tensor_parallel}")
+        if self.weight_sync == "collective" and (self.mode == "async" or self.partial_rollout_tokens > 0):
+            raise ValueError("rl.weight_sync=collective needs the engines and the trainer to meet at each sync: it works with rl.mode=sync "
+                             "and no partial rollouts (async syncs queue behind the rounds in flight; use object_store there)")
+        if self.weight_sync == "collective" and self.layout == "colocated" and self.gpus_per_worker > 0:
+            raise ValueError("rl.weight_sync=collective on GPUs needs rl.layout=separate: NCCL cannot put the trainer and an engine "
+                             "sharing one GPU into one group")
         if self.rollout_resource and self.layout != "separate":
             raise ValueError("rl.rollout_resource places the rollout engines on nodes of their own: it needs rl.layout=separate "
                              "(colocated engines share the trainers' bundles)")
@@ -323,13 +333,33 @@ class Roles:
         self.reward = ray.remote(RewardWorker).options(**place(0, 0.25, cfg.rollout_gpus if cfg.reward_model else 0.0)).remote(
             absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
             cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads if colocated else 1, cfg.reward_url_protocol)
-        self.timeout = cfg.rollout_timeout
+        self.timeout, self.collective = cfg.rollout_timeout, False
         # surface construction errors (bad model path, missing reward file, engine start-up) now
         others = [self.reward] + ([self.reference] if self.reference else [])
         self.get([w.ready.remote() for w in self.rollout + others], "starting the rollout/reward/reference actors")
         log.info("rollout engines on %s", ", ".join(self.get([w.node.remote() for w in self.rollout], "placement")))
         for group, _ in self.trainers():
             group.ready()
+        if cfg.weight_sync == "collective":
+            self.join_weight_group(cfg)
+
+    def join_weight_group(self, cfg: Config) -> None:
+        """Trainer rank 0 and every engine form the weight-sync group (rl.weight_sync=collective),
+        its address on rank 0's node; the engines learn the weights' layout once."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlhf_core.runtime.actor import rendezvous
+
+        host, port = ray.get(ray.remote(rendezvous).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.policy.pg, placement_group_bundle_index=0)).remote())
+        layout = self.policy.call("weight_layout")[0]
+        world = 1 + len(self.rollout)
+        self.get([self.policy.workers[0].join_weight_group.remote(host, port, world, self.timeout)]
+                 + [w.join_weight_group.remote(host, port, i + 1, world, self.timeout, layout) for i, w in enumerate(self.rollout)],
+                 "joining the weight-sync group")
+        self.collective = True
+        log.info("weight sync: trainer rank 0 broadcasts to %d engine(s) over %s:%d", len(self.rollout), host, port)
 
     def get(self, refs, what: str):
         import ray
@@ -372,6 +402,8 @@ class Roles:
         for: the trainer goes on (the producer checks them later)."""
         import ray
 
+        if self.collective:
+            return self.broadcast_weights(version)
         t0 = time.time()
         weights = self.get([w.named_weights.remote() for w in self.policy.workers], "reading policy weights")[0]
         ref = ray.put(weights)
@@ -381,6 +413,14 @@ class Roles:
             return time.time() - t0
         self.get([w.wake_up.remote() for w in self.rollout], "engine wake-up")
         self.get([w.update_weights.remote(ref, version) for w in self.rollout], "weight sync")
+        return time.time() - t0
+
+    def broadcast_weights(self, version: int) -> float:
+        """rl.weight_sync=collective: trainer rank 0 broadcasts, every engine receives and loads."""
+        t0 = time.time()
+        self.get([w.wake_up.remote() for w in self.rollout], "engine wake-up")
+        receiving = [w.receive_weights.remote(version) for w in self.rollout]
+        self.get([w.broadcast_weights.remote() for w in self.policy.workers] + receiving, "weight sync (broadcast)")
         return time.time() - t0
 
 

@@ -18,6 +18,7 @@ import torch
 from rlhf_core.models.load import actor_device, load_model, load_tokenizer
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
+from rlhf_core.runtime.weight_sync import Layout, WeightGroup, empty_buffers, unflatten
 
 
 class RolloutWorker(PeakMemory):
@@ -95,6 +96,18 @@ class RolloutWorker(PeakMemory):
                     self.version = version
         finally:
             self.syncs_waiting -= 1
+        return time.time() - t0
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, layout: Layout) -> None:
+        """rl.weight_sync=collective: join the trainer's weight group as `rank` (1..n)."""
+        self.weight_group, self.layout = WeightGroup(host, port, rank, world_size, timeout_s, actor_device()), layout
+
+    def receive_weights(self, version: int) -> float:
+        """The trainer's broadcast, into fresh buffers, then the in-place update; returns seconds."""
+        t0 = time.time()
+        flats = empty_buffers(self.layout, self.weight_group.device)
+        self.weight_group.broadcast(flats)
+        self.update_weights(unflatten(flats, self.layout), version)
         return time.time() - t0
 
     def sleep(self) -> None:

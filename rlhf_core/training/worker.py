@@ -6,6 +6,7 @@ model.  Stage-specific maths arrives as a function `loss_fn(model, batch, counts
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ from rlhf_core.models import lora
 from rlhf_core.models.load import load_model
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
+from rlhf_core.runtime.weight_sync import Layout, WeightGroup, flatten
 from rlhf_core.training.checkpoint import CheckpointLoadError, explain
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.engine import build_engine, init_distributed
@@ -164,17 +166,37 @@ class TrainWorker(PeakMemory):
         dist.barrier()
 
     @torch.no_grad()
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The full weights (HF names, CPU tensors) for a weight sync into rollout engines;
-        ZeRO-3 shards are gathered first (every rank must call this)."""
+    def _with_full_weights(self, fn):
+        """`fn(named weights)` on rank 0, the live tensors (HF names; LoRA: merged), with ZeRO-3's
+        shards gathered for the call -- every rank must call this; the others return None."""
         module = self.engine.module
+        gathered = contextlib.nullcontext()
         if self.cfg.zero_stage == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return [(k, v.detach().cpu().clone()) for k, v in module.state_dict().items()] if self.rank == 0 else []
-        weights = lora.merged_state_dict(module) if lora.is_lora(module) else module.state_dict()  # engines hold plain HF weights
-        return [(k, v.detach().cpu().clone()) for k, v in weights.items()] if self.rank == 0 else []
+            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        with gathered:
+            if self.rank != 0:
+                return None
+            weights = lora.merged_state_dict(module) if lora.is_lora(module) else module.state_dict()  # engines hold plain HF weights
+            return fn(list(weights.items()))
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The full weights as CPU tensors, for a weight sync through Ray's object store."""
+        return self._with_full_weights(lambda named: [(k, v.detach().cpu().clone()) for k, v in named]) or []
+
+    # --- weight sync over a collective (rl.weight_sync=collective; rank 0 is the sender) ---------
+
+    def weight_layout(self) -> Layout | None:
+        self.layout = self._with_full_weights(Layout.of)
+        return self.layout
+
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        self.weight_group = WeightGroup(host, port, 0, world_size, timeout_s, self.engine.device)
+
+    def broadcast_weights(self) -> None:
+        """Rank 0 broadcasts the weights to the engines (every rank calls: ZeRO-3 gathers)."""
+        self._with_full_weights(lambda named: self.weight_group.broadcast(flatten(named, self.layout)))
 
     def params_finite(self) -> bool:
         return all(torch.isfinite(p).all() for p in self.engine.module.parameters())

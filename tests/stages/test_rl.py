@@ -96,6 +96,22 @@ def test_rl_sigkill_then_resume_is_bit_identical(project, ray_head, grpo_referen
         assert [r["response_token_ids"] for r in table(ref, step)] == [r["response_token_ids"] for r in table(out, step)]
 
 
+@pytest.mark.xdist_group("rl_ref")
+def test_collective_weight_sync_gives_the_same_run(project, ray_head, grpo_reference):
+    """rl.weight_sync=collective (trainer rank 0 broadcasts over a gloo group on CPU; NCCL on GPUs)
+    moves the same weights as the object store: every step samples the same tokens, the same model."""
+    ref, args = grpo_reference
+    out = project / "artifacts" / "rl_collective"
+    proc = run_stage(project, ray_head, "rl", *args, "--set", "rl.weight_sync=collective", "--set", f"rl.output_dir={out}")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "weight sync: trainer rank 0 broadcasts to 1 engine(s)" in proc.stdout
+    for step in (1, 2, 3, 4):  # steps 2-4 sample with synced weights
+        assert [r["response_token_ids"] for r in table(ref, step)] == [r["response_token_ids"] for r in table(out, step)]
+    a, b = load_file(str(ref / "model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "metrics.json").read_text())["eval/sync_greedy_match"] == 1.0
+
+
 @pytest.mark.xdist_group("rl_more")
 def test_ppo_multi_turn_agent_on_vllm(project, ray_head, sft_reference):
     """PPO (critic + GAE) with the multi-turn retry environment on the vLLM engine."""

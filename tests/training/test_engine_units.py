@@ -61,3 +61,15 @@ def test_ds_config_accumulation_and_offload():
         TrainConfig(offload="optimizer")
     with pytest.raises(ValueError, match="micro_batch_size must be >= 0"):
         TrainConfig(micro_batch_size=-1)
+
+
+def test_weight_layout_flatten_unflatten_round_trip():
+    from rlhf_core.runtime.weight_sync import Layout, empty_buffers, flatten, unflatten
+
+    named = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16)), ("c", torch.tensor([7.0]))]
+    layout = Layout.of(named)
+    assert [dtype for dtype, _ in layout.groups] == ["bfloat16", "float32"]  # one buffer per dtype
+    flats = flatten(named, layout)
+    assert [f.numel() for f in flats] == [4, 7] and [b.numel() for b in empty_buffers(layout, torch.device("cpu"))] == [4, 7]
+    back = dict(unflatten(flats, layout))
+    assert set(back) == {"a", "b", "c"} and all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in named)

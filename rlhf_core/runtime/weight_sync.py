@@ -1,0 +1,74 @@
+"""Policy weights from trainer rank 0 to the rollout engines over a collective (`rl.weight_sync=
+collective`) instead of through Ray's object store: one process group spanning trainer rank 0
+(group rank 0) and every rollout worker (ranks 1..n) -- NCCL on GPUs, gloo on CPUs -- in which
+rank 0 broadcasts the weights as one flat buffer per dtype.
+
+The group is standalone (its own TCPStore and process-group object), apart from the trainers'
+DeepSpeed group: the engines are not DeepSpeed ranks, and a torch `new_group` would need every
+member of the default group.  `Layout` is the order and shape of the weights, fixed at the first
+sync and sent to the engines once; each sync then moves only the flat buffers.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """(name, shape) of every weight, grouped by dtype in broadcast order."""
+    groups: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...]
+
+    @classmethod
+    def of(cls, named: list[tuple[str, torch.Tensor]]) -> "Layout":
+        by_dtype: dict[str, list] = {}
+        for name, t in named:
+            by_dtype.setdefault(str(t.dtype).removeprefix("torch."), []).append((name, tuple(t.shape)))
+        return cls(tuple((dtype, tuple(items)) for dtype, items in sorted(by_dtype.items())))
+
+
+def flatten(named: list[tuple[str, torch.Tensor]], layout: Layout) -> list[torch.Tensor]:
+    """One contiguous buffer per dtype, in `layout` order."""
+    tensors = dict(named)
+    return [torch.cat([tensors[name].reshape(-1) for name, _ in items]) for _, items in layout.groups]
+
+
+def unflatten(flats: list[torch.Tensor], layout: Layout) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of `flatten`: views into the buffers, under their names."""
+    out = []
+    for flat, (_, items) in zip(flats, layout.groups):
+        offset = 0
+        for name, shape in items:
+            n = int(torch.Size(shape).numel())
+            out.append((name, flat[offset:offset + n].view(shape)))
+            offset += n
+    return out
+
+
+def empty_buffers(layout: Layout, device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(sum(int(torch.Size(s).numel()) for _, s in items), dtype=getattr(torch, dtype), device=device)
+            for dtype, items in layout.groups]
+
+
+class WeightGroup:
+    """This process's membership of the weight-sync group (rank 0: the trainer)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore("rlhf-weight-sync", store)
+        if device.type == "cuda":
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        self.store, self.rank, self.device = store, rank, device  # the store lives as long as the group
+
+    def broadcast(self, flats: list[torch.Tensor]) -> None:
+        """Rank 0 sends `flats`; every other rank receives into its `flats` (same sizes)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for flat in flats:
+            self.pg.broadcast([flat], opts).wait()
