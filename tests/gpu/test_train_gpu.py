@@ -54,14 +54,15 @@ def _sft(project, ray_head, out: str, *extra: str):
 
 def test_rl_separate_layout_every_role_on_the_gpu(project, ray_head):
     """layout=separate on one GPU shared out: trainer 0.4, engine, reference and reward model 0.2
-    each -- the reference and the reward model compute on their GPU share (they stayed on the CPU)."""
+    each -- the reference and the reward model compute on their GPU share (they stayed on the CPU);
+    the weights reach the engine by NCCL broadcast (rl.weight_sync=collective)."""
     _sft(project, ray_head, "artifacts/sft_gpu_sep")
     rm = rlhf("stage", "run", "rm", "--params", "none.yaml", "--set", "rm.model_path=artifacts/sft_gpu_sep/model", "--set", "rm.max_steps=10",
               "--set", "rm.gpus_per_worker=1", "--set", "rm.output_dir=artifacts/rm_gpu", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert rm.returncode == 0, rm.stdout[-3000:]
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_sep/model", "--set", "rl.max_steps=3",
                 "--set", "rl.layout=separate", "--set", "rl.gpus_per_worker=0.4", "--set", "rl.rollout_gpus=0.2",
-                "--set", "rl.reward_model=artifacts/rm_gpu/model", "--set", "rl.gpu_memory_utilization=0.1",
+                "--set", "rl.reward_model=artifacts/rm_gpu/model", "--set", "rl.gpu_memory_utilization=0.1", "--set", "rl.weight_sync=collective",
                 "--set", "rl.output_dir=artifacts/rl_gpu_sep", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert json.loads((project / "artifacts" / "rl_gpu_sep" / "metrics.json").read_text())["eval/sync_greedy_match"] == 1.0
