@@ -102,8 +102,8 @@ class Config(TrainConfig):
     actor holds that many GPUs and vLLM shards the model over them in worker processes of its own."""
     weight_sync: Literal["object_store", "collective"] = "object_store"
     """How the policy's weights reach the engines at each sync: as CPU tensors through Ray's object
-    store, or broadcast by trainer rank 0 in a process group spanning it and every engine (NCCL on
-    GPUs, gloo on CPUs; sync mode only, and on GPUs layout=separate: NCCL puts no two ranks on one GPU)."""
+    store, or broadcast by trainer rank 0 in a process group spanning it and every engine (sync
+    mode only): NCCL when each member has a GPU of its own, else gloo over CPU buffers."""
     rollout_resource: str = ""
     """layout=separate: a custom Ray resource each rollout engine takes one unit of, which places
     the engines on the nodes started with it (`ray start --resources='{"rollout": 8}'`): e.g.
@@ -235,9 +235,6 @@ class Config(TrainConfig):
         if self.weight_sync == "collective" and (self.mode == "async" or self.partial_rollout_tokens > 0):
             raise ValueError("rl.weight_sync=collective needs the engines and the trainer to meet at each sync: it works with rl.mode=sync "
                              "and no partial rollouts (async syncs queue behind the rounds in flight; use object_store there)")
-        if self.weight_sync == "collective" and self.layout == "colocated" and self.gpus_per_worker > 0:
-            raise ValueError("rl.weight_sync=collective on GPUs needs rl.layout=separate: NCCL cannot put the trainer and an engine "
-                             "sharing one GPU into one group")
         if self.rollout_resource and self.layout != "separate":
             raise ValueError("rl.rollout_resource places the rollout engines on nodes of their own: it needs rl.layout=separate "
                              "(colocated engines share the trainers' bundles)")
@@ -353,13 +350,16 @@ class Roles:
 
         host, port = ray.get(ray.remote(rendezvous).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.policy.pg, placement_group_bundle_index=0)).remote())
+        from rlhf_core.runtime.weight_sync import backend_for
+
         layout = self.policy.call("weight_layout")[0]
         world = 1 + len(self.rollout)
-        self.get([self.policy.workers[0].join_weight_group.remote(host, port, world, self.timeout)]
-                 + [w.join_weight_group.remote(host, port, i + 1, world, self.timeout, layout) for i, w in enumerate(self.rollout)],
+        backend = backend_for(self.get([a.device_id.remote() for a in [self.policy.workers[0], *self.rollout]], "device ids"))
+        self.get([self.policy.workers[0].join_weight_group.remote(host, port, world, self.timeout, backend)]
+                 + [w.join_weight_group.remote(host, port, i + 1, world, self.timeout, backend, layout) for i, w in enumerate(self.rollout)],
                  "joining the weight-sync group")
         self.collective = True
-        log.info("weight sync: trainer rank 0 broadcasts to %d engine(s) over %s:%d", len(self.rollout), host, port)
+        log.info("weight sync: trainer rank 0 broadcasts to %d engine(s) over %s (%s:%d)", len(self.rollout), backend, host, port)
 
     def get(self, refs, what: str):
         import ray

@@ -98,9 +98,9 @@ class RolloutWorker(PeakMemory):
             self.syncs_waiting -= 1
         return time.time() - t0
 
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, layout: Layout) -> None:
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, layout: Layout) -> None:
         """rl.weight_sync=collective: join the trainer's weight group as `rank` (1..n)."""
-        self.weight_group, self.layout = WeightGroup(host, port, rank, world_size, timeout_s, actor_device()), layout
+        self.weight_group, self.layout = WeightGroup(host, port, rank, world_size, timeout_s, backend), layout
 
     def receive_weights(self, version: int) -> float:
         """The trainer's broadcast, into fresh buffers, then the in-place update; returns seconds."""

@@ -12,6 +12,12 @@ class PeakMemory:
     def peak_rss_mb(self) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
+    def device_id(self) -> str:
+        """This actor's GPU (UUID) or "cpu": the weight-sync group picks its backend by them."""
+        from rlhf_core.runtime.weight_sync import device_id
+
+        return device_id()
+
     def node(self) -> str:
         """`NODE_ID[:8]@IP` of the Ray node this actor runs on."""
         import ray

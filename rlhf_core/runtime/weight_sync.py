@@ -1,7 +1,8 @@
 """Policy weights from trainer rank 0 to the rollout engines over a collective (`rl.weight_sync=
 collective`) instead of through Ray's object store: one process group spanning trainer rank 0
-(group rank 0) and every rollout worker (ranks 1..n) -- NCCL on GPUs, gloo on CPUs -- in which
-rank 0 broadcasts the weights as one flat buffer per dtype.
+(group rank 0) and every rollout worker (ranks 1..n) in which rank 0 broadcasts the weights as one
+flat buffer per dtype -- NCCL between GPU buffers when every member has a GPU of its own
+(`backend_for`), else gloo between CPU buffers (NCCL cannot join two ranks on one GPU).
 
 The group is standalone (its own TCPStore and process-group object), apart from the trainers'
 DeepSpeed group: the engines are not DeepSpeed ranks, and a torch `new_group` would need every
@@ -53,22 +54,33 @@ def empty_buffers(layout: Layout, device: torch.device) -> list[torch.Tensor]:
             for dtype, items in layout.groups]
 
 
+def device_id() -> str:
+    """This process's GPU (its UUID), or "cpu"."""
+    return str(torch.cuda.get_device_properties(0).uuid) if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device_ids: list[str]) -> str:
+    """nccl when every member has a GPU and no two share one; gloo (CPU buffers) otherwise."""
+    return "nccl" if "cpu" not in device_ids and len(set(device_ids)) == len(device_ids) else "gloo"
+
+
 class WeightGroup:
     """This process's membership of the weight-sync group (rank 0: the trainer)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str):
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore("rlhf-weight-sync", store)
-        if device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
+        if backend == "nccl":
+            self.pg, self.device = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options()), torch.device("cuda")
         else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        self.store, self.rank, self.device = store, rank, device  # the store lives as long as the group
+            self.pg, self.device = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu")
+        self.store, self.rank = store, rank  # the store lives as long as the group
 
     def broadcast(self, flats: list[torch.Tensor]) -> None:
-        """Rank 0 sends `flats`; every other rank receives into its `flats` (same sizes)."""
+        """Rank 0 sends `flats`; every other rank receives into its `flats` (same sizes, on
+        `self.device`)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         for flat in flats:
-            self.pg.broadcast([flat], opts).wait()
+            self.pg.broadcast([flat.to(self.device) if self.rank == 0 else flat], opts).wait()

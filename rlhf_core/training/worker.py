@@ -191,8 +191,8 @@ class TrainWorker(PeakMemory):
         self.layout = self._with_full_weights(Layout.of)
         return self.layout
 
-    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        self.weight_group = WeightGroup(host, port, 0, world_size, timeout_s, self.engine.device)
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float, backend: str) -> None:
+        self.weight_group = WeightGroup(host, port, 0, world_size, timeout_s, backend)
 
     def broadcast_weights(self) -> None:
         """Rank 0 broadcasts the weights to the engines (every rank calls: ZeRO-3 gathers)."""

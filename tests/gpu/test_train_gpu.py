@@ -54,8 +54,8 @@ def _sft(project, ray_head, out: str, *extra: str):
 
 def test_rl_separate_layout_every_role_on_the_gpu(project, ray_head):
     """layout=separate on one GPU shared out: trainer 0.4, engine, reference and reward model 0.2
-    each -- the reference and the reward model compute on their GPU share (they stayed on the CPU);
-    the weights reach the engine by NCCL broadcast (rl.weight_sync=collective)."""
+    each -- the reference and the reward model compute on their GPU share (they stayed on the CPU).
+    rl.weight_sync=collective: trainer and engine share the GPU, so the broadcast falls back to gloo."""
     _sft(project, ray_head, "artifacts/sft_gpu_sep")
     rm = rlhf("stage", "run", "rm", "--params", "none.yaml", "--set", "rm.model_path=artifacts/sft_gpu_sep/model", "--set", "rm.max_steps=10",
               "--set", "rm.gpus_per_worker=1", "--set", "rm.output_dir=artifacts/rm_gpu", cwd=project, env={"RAY_ADDRESS": ray_head})
@@ -65,7 +65,22 @@ def test_rl_separate_layout_every_role_on_the_gpu(project, ray_head):
                 "--set", "rl.reward_model=artifacts/rm_gpu/model", "--set", "rl.gpu_memory_utilization=0.1", "--set", "rl.weight_sync=collective",
                 "--set", "rl.output_dir=artifacts/rl_gpu_sep", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "broadcasts to 1 engine(s) over gloo" in proc.stdout
     assert json.loads((project / "artifacts" / "rl_gpu_sep" / "metrics.json").read_text())["eval/sync_greedy_match"] == 1.0
+
+
+def test_nccl_weight_broadcast_between_two_gpus(project, ray_head):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("an NCCL weight group needs the trainer and the engine on GPUs of their own")
+    _sft(project, ray_head, "artifacts/sft_gpu_nccl")
+    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_nccl/model", "--set", "rl.max_steps=3",
+                "--set", "rl.layout=separate", "--set", "rl.gpus_per_worker=1", "--set", "rl.rollout_gpus=1", "--set", "rl.weight_sync=collective",
+                "--set", "rl.gpu_memory_utilization=0.2", "--set", "rl.output_dir=artifacts/rl_gpu_nccl", cwd=project, env={"RAY_ADDRESS": ray_head})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "broadcasts to 1 engine(s) over nccl" in proc.stdout
+    assert json.loads((project / "artifacts" / "rl_gpu_nccl" / "metrics.json").read_text())["eval/sync_greedy_match"] == 1.0
 
 
 def test_lora_rl_and_qlora_sft_on_the_gpu(project, ray_head):

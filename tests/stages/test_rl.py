@@ -104,7 +104,7 @@ def test_collective_weight_sync_gives_the_same_run(project, ray_head, grpo_refer
     out = project / "artifacts" / "rl_collective"
     proc = run_stage(project, ray_head, "rl", *args, "--set", "rl.weight_sync=collective", "--set", f"rl.output_dir={out}")
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "weight sync: trainer rank 0 broadcasts to 1 engine(s)" in proc.stdout
+    assert "weight sync: trainer rank 0 broadcasts to 1 engine(s) over gloo" in proc.stdout
     for step in (1, 2, 3, 4):  # steps 2-4 sample with synced weights
         assert [r["response_token_ids"] for r in table(ref, step)] == [r["response_token_ids"] for r in table(out, step)]
     a, b = load_file(str(ref / "model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))

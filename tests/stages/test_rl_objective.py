@@ -106,9 +106,10 @@ def test_async_and_hybrid_engine_settings_are_checked_at_config_time():
 def test_scale_out_settings_are_checked_at_config_time():
     with pytest.raises(ConfigError, match="weight_sync=collective needs the engines and the trainer to meet"):
         from_dict(Config, {"weight_sync": "collective", "mode": "async", "layout": "separate"})
-    with pytest.raises(ConfigError, match="weight_sync=collective on GPUs needs rl.layout=separate"):
-        from_dict(Config, {"weight_sync": "collective", "gpus_per_worker": 1.0})
-    assert from_dict(Config, {"weight_sync": "collective"}).weight_sync == "collective"  # gloo on CPU, colocated too
+    assert from_dict(Config, {"weight_sync": "collective"}).weight_sync == "collective"  # colocated too
+    from rlhf_core.runtime.weight_sync import backend_for
+
+    assert backend_for(["GPU-a", "GPU-b"]) == "nccl" and backend_for(["GPU-a", "GPU-a"]) == "gloo" and backend_for(["cpu", "GPU-a"]) == "gloo"
     with pytest.raises(ConfigError, match="rollout_tensor_parallel=2 .* needs engine=vllm, layout=separate and rollout_gpus >= 2"):
         from_dict(Config, {"rollout_tensor_parallel": 2, "layout": "separate", "rollout_gpus": 1.0})
     with pytest.raises(ConfigError, match="rollout_resource places the rollout engines"):
