@@ -273,6 +273,21 @@ def check_separate_resources(cfg: Config, with_critic: bool) -> None:
                            f"lower rl.rollout_cpus / rl.cpus_per_worker or use rl.layout=colocated")
 
 
+def reward_actor(cfg: Config, placement: dict, pad_id: int, threads: int):
+    """The reward actor with every configured source (the built-in exact match when none is)."""
+    import ray
+
+    from rlhf_core.rollout.workers import RewardWorker
+
+    builtin = not (cfg.reward_file or cfg.reward_model or cfg.reward_url) and cfg.agent == "single_turn" and not cfg.agent_file
+    weights = {"reward_file": cfg.reward_file_weight, "reward_model": cfg.reward_model_weight, "reward_url": cfg.reward_url_weight,
+               "env": cfg.env_reward_weight}
+    absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
+    return ray.remote(RewardWorker).options(**placement).remote(
+        absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
+        cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads, cfg.reward_url_protocol)
+
+
 class Roles:
     """Policy (+ critic) trainers, reference, rollout and reward actors, placed per `layout`."""
 
@@ -280,7 +295,7 @@ class Roles:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_core.rollout.workers import ForwardWorker, RewardWorker, RolloutWorker
+        from rlhf_core.rollout.workers import ForwardWorker, RolloutWorker
 
         with_critic = ALGO_RECIPES[cfg.algo].needs_critic
         colocated = cfg.layout == "colocated"
@@ -322,14 +337,8 @@ class Roles:
                 cfg.partial_rollout_tokens, cfg.rollout_tensor_parallel)
             for i in range(cfg.rollout_workers)
         ]
-        builtin = not (cfg.reward_file or cfg.reward_model or cfg.reward_url) and cfg.agent == "single_turn" and not cfg.agent_file
-        weights = {"reward_file": cfg.reward_file_weight, "reward_model": cfg.reward_model_weight, "reward_url": cfg.reward_url_weight,
-                   "env": cfg.env_reward_weight}
-        absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
         # a reward model computes on a GPU where the engines have them; a reward file or URL needs none
-        self.reward = ray.remote(RewardWorker).options(**place(0, 0.25, cfg.rollout_gpus if cfg.reward_model else 0.0)).remote(
-            absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
-            cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads if colocated else 1, cfg.reward_url_protocol)
+        self.reward = reward_actor(cfg, place(0, 0.25, cfg.rollout_gpus if cfg.reward_model else 0.0), pad_id, threads if colocated else 1)
         self.timeout, self.collective = cfg.rollout_timeout, False
         # surface construction errors (bad model path, missing reward file, engine start-up) now
         others = [self.reward] + ([self.reference] if self.reference else [])
