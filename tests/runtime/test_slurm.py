@@ -84,6 +84,7 @@ def test_sbatch_template_starts_a_two_node_cluster_and_runs_a_stage(project, sho
     line = re.search(r"training: 2 rank\(s\) on (\d) node\(s\)", text)
     assert line and line.group(1) == "2", text[-3000:]
     assert (project / "artifacts" / "sft_slurm" / "model" / "model.safetensors").exists()
-    # the template's exit stopped both nodes: no raylet of this cluster is left
-    left = subprocess.run(["pgrep", "-f", f"--temp-dir={tmp_path}/ray-node-a"], capture_output=True, text=True).stdout.split()
-    assert left == [], left
+    # the template's exit stopped both nodes: no process of this cluster is left (they all carry
+    # its temp dir in their command lines); `--` keeps pgrep from reading the pattern as an option
+    left = subprocess.run(["pgrep", "-af", "--", str(tmp_path)], capture_output=True, text=True)
+    assert left.returncode == 1 and left.stdout == "", left.stdout + left.stderr
