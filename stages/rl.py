@@ -261,9 +261,10 @@ def check_separate_resources(cfg: Config, with_critic: bool) -> None:
     import ray
 
     need = cfg.num_workers * cfg.cpus_per_worker * (1 + with_critic) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
-    have = ray.cluster_resources().get("CPU", 0)
-    if cfg.rollout_resource and ray.cluster_resources().get(cfg.rollout_resource, 0) < cfg.rollout_workers:
-        raise RuntimeError(f"rl.rollout_resource={cfg.rollout_resource}: the cluster has {ray.cluster_resources().get(cfg.rollout_resource, 0):g} "
+    resources = ray.cluster_resources()
+    have = resources.get("CPU", 0)
+    if cfg.rollout_resource and resources.get(cfg.rollout_resource, 0) < cfg.rollout_workers:
+        raise RuntimeError(f"rl.rollout_resource={cfg.rollout_resource}: the cluster has {resources.get(cfg.rollout_resource, 0):g} "
                            f"of it, the {cfg.rollout_workers} rollout engine(s) need one each (start nodes with "
                            f"`ray start --resources='{{\"{cfg.rollout_resource}\": N}}'`)")
     if need > have:
@@ -352,15 +353,10 @@ class Roles:
     def join_weight_group(self, cfg: Config) -> None:
         """Trainer rank 0 and every engine form the weight-sync group (rl.weight_sync=collective),
         its address on rank 0's node; the engines learn the weights' layout once."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from rlhf_core.runtime.actor import rendezvous
-
-        host, port = ray.get(ray.remote(rendezvous).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self.policy.pg, placement_group_bundle_index=0)).remote())
+        from rlhf_core.runtime.actor import rendezvous_at
         from rlhf_core.runtime.weight_sync import backend_for
 
+        host, port = rendezvous_at(self.policy.pg)
         layout = self.policy.call("weight_layout")[0]
         world = 1 + len(self.rollout)
         backend = backend_for(self.get([a.device_id.remote() for a in [self.policy.workers[0], *self.rollout]], "device ids"))

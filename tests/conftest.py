@@ -1,5 +1,6 @@
 import json
 import os
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -98,6 +99,24 @@ def sft_loss_curve(project, ray_head):
     proc = run_stage(project, ray_head, "sft", *SFT_CURVE, "--set", "sft.output_dir=artifacts/sft_curve")
     assert proc.returncode == 0, proc.stdout[-3000:]
     return [r["train/loss"] for r in history(project / "artifacts" / "sft_curve")]
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Base of the tests' stand-in HTTP servers (reward servers): `reply` sends a JSON body, or
+    only a status; no request log."""
+
+    def reply(self, body: dict | None = None, code: int = 200) -> None:
+        self.send_response(code)
+        if body is None:
+            self.end_headers()
+            return
+        data = json.dumps(body).encode()
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
 
 
 def make_batch(samples: list[dict]):

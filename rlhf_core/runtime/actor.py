@@ -25,11 +25,20 @@ class PeakMemory:
         return f"{ray.get_runtime_context().get_node_id()[:8]}@{ray.util.get_node_ip_address()}"
 
 
-def rendezvous() -> tuple[str, int]:
-    """Run on rank 0's node (a task in its bundle): the address and a free port there, for every
-    rank's process group -- on a cluster the driver's node is not rank 0's."""
+def _node_address() -> tuple[str, int]:
     import ray
 
     from rlhf_core.runtime.cluster import free_port
 
     return ray.util.get_node_ip_address(), free_port()
+
+
+def rendezvous_at(pg, bundle: int = 0) -> tuple[str, int]:
+    """The address of the node holding `pg`'s `bundle` and a free port there (a task placed in the
+    bundle finds them), for a process group whose rank 0 lives in it -- on a cluster the driver's
+    node is not rank 0's."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+    return ray.get(ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=strategy).remote())

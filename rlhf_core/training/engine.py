@@ -19,7 +19,7 @@ from rlhf_core.training.config import TrainConfig
 
 def init_distributed(rank: int, world_size: int, master: tuple[str, int], backend: str | None = None) -> None:
     """Set the env DeepSpeed reads without a launcher and join the process group at `master`
-    (rank 0's node address and port, `runtime.actor.rendezvous`).  LOCAL_RANK is 0 on purpose:
+    (rank 0's node address and port, `runtime.actor.rendezvous_at`).  LOCAL_RANK is 0 on purpose:
     Ray gives each actor only its own GPU (CUDA_VISIBLE_DEVICES), which is device 0 inside it."""
     import deepspeed
 

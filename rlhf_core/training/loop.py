@@ -87,7 +87,7 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_core.runtime.actor import rendezvous
+        from rlhf_core.runtime.actor import rendezvous_at
         from rlhf_core.training.worker import TrainWorker
 
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if cfg.gpus_per_worker else {})}
@@ -98,7 +98,7 @@ class WorkerGroup:
             raise TimeoutError(f"{name}: no room for {cfg.num_workers} bundle(s) of {bundle} placed {cfg.placement_strategy} within 300 s "
                                f"(cluster resources: {ray.cluster_resources()})") from None
         in_bundle = lambda r: PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)  # noqa: E731
-        master = ray.get(ray.remote(rendezvous).options(num_cpus=0, scheduling_strategy=in_bundle(0)).remote())
+        master = rendezvous_at(self.pg)
         actor = ray.remote(TrainWorker)
         self.workers = [
             actor.options(num_cpus=cfg.cpus_per_worker * share, num_gpus=cfg.gpus_per_worker * share, scheduling_strategy=in_bundle(r)).remote(

@@ -1,12 +1,13 @@
 """RL step maths, collation alignment, reward validation and the episode runner (real engine)."""
+import contextlib
 import json
 import math
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import make_batch
+from conftest import JsonHandler, make_batch
 
 from rlhf_core.rollout import rewards as R
 from rlhf_core.rollout.agents import LocalEnvironments, RetryArithmetic, SingleTurn, environments, run_episodes
@@ -116,24 +117,15 @@ def test_reward_file_loading_errors(tmp_path):
         R.FunctionReward(str(f))
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     calls = 0
 
     def do_POST(self):  # noqa: N802
         type(self).calls += 1
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.server.mode == "500":
-            self.send_response(500)
-            self.end_headers()
-            return
-        data = json.dumps({"rewards": [float(len(r)) for r in body["responses"]]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+            return self.reply(code=500)
+        self.reply({"rewards": [float(len(r)) for r in body["responses"]]})
 
 
 @pytest.fixture
@@ -346,19 +338,35 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
     assert [x["score"] for x in RewardWorker(None, None, None, {}, 0, 1.0, 0, builtin=True).score(_episodes(2))] == [1.0, 1.0]
 
 
-def test_reward_model_served_over_http(tiny):
-    """`rlhf serve-reward`'s server scores token ids with a reward model; HttpReward reads it."""
+def sequence_rm(tiny, name: str):
+    """A sequence-classification reward model (random head) on the tiny model, saved as `name`."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.rollout.reward_server import make_server
-
     path, tok = tiny
-    rm_dir = path.parent / "rm"
+    rm_dir = path.parent / name
     AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).save_pretrained(rm_dir)
     tok.save_pretrained(rm_dir)
+    return rm_dir
+
+
+@contextlib.contextmanager
+def serve_reward(rm_dir):
+    """`rlhf serve-reward`'s server for `rm_dir` on a free port, in a thread; yields the server."""
+    from rlhf_core.rollout.reward_server import make_server
+
     srv = make_server(str(rm_dir), port=0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
+        yield srv
+    finally:
+        srv.shutdown()
+
+
+def test_reward_model_served_over_http(tiny):
+    """`rlhf serve-reward`'s server scores token ids with a reward model; HttpReward reads it."""
+    tok = tiny[1]
+    rm_dir = sequence_rm(tiny, "rm")
+    with serve_reward(rm_dir) as srv:
         assert srv.server_address[0] == "127.0.0.1"  # loopback by default
         url = f"http://127.0.0.1:{srv.server_address[1]}/score"
         ids = [[1, 5, 6, 7, 2], [1, 5, 6, 8, 2]]
@@ -366,11 +374,9 @@ def test_reward_model_served_over_http(tiny):
         remote, _, why = R.HttpReward(url)(samples)
         local, _, _ = R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)(samples)
         assert remote == pytest.approx(local) and why == [None, None] and remote[0] != remote[1]
-    finally:
-        srv.shutdown()
 
 
-class _OpenRLHFServer(BaseHTTPRequestHandler):
+class _OpenRLHFServer(JsonHandler):
     """A third-party server speaking OpenRLHF's protocol, as its examples do: a scalar extra log."""
     seen: list = []
 
@@ -381,14 +387,7 @@ class _OpenRLHFServer(BaseHTTPRequestHandler):
         out = {"rewards": rewards, "scores": [r * 0.5 for r in rewards], "extra_logs": {"accuracy": sum(rewards) / len(rewards)}}
         if self.path == "/old/get_reward":  # OpenRLHF's older serve_rm answers rewards only
             out = {"rewards": rewards}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+        self.reply(out)
 
 
 def test_openrlhf_reward_protocol_client_and_reward_func(tmp_path):
@@ -424,17 +423,8 @@ def test_openrlhf_reward_protocol_client_and_reward_func(tmp_path):
 
 def test_reward_server_speaks_openrlhf_get_reward_like_score(tiny):
     """`rlhf serve-reward`'s /get_reward (OpenRLHF's clients) scores a sample as /score does."""
-    from transformers import AutoModelForSequenceClassification
-
-    from rlhf_core.rollout.reward_server import make_server
-
-    path, tok = tiny
-    rm_dir = path.parent / "rm_openrlhf"
-    AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).save_pretrained(rm_dir)
-    tok.save_pretrained(rm_dir)
-    srv = make_server(str(rm_dir), port=0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    tok = tiny[1]
+    with serve_reward(sequence_rm(tiny, "rm_openrlhf")) as srv:
         base = f"http://127.0.0.1:{srv.server_address[1]}"
         samples = [{"prompt": "Q: 12+30= A:", "response": r, "label": "42"} for r in (" 42", " 41 wrong")]
         for s in samples:
@@ -446,8 +436,6 @@ def test_reward_server_speaks_openrlhf_get_reward_like_score(tiny):
         # a query ending in EOS text (as decoded sequences do) scores the same
         eos = [{**s, "response": s["response"] + tok.eos_token} for s in samples]
         assert R.HttpReward(f"{base}/get_reward")(eos)[0] == pytest.approx(ours, abs=1e-6)
-    finally:
-        srv.shutdown()
 
 
 def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(tiny):
@@ -456,8 +444,6 @@ def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(
 
     import torch
     from transformers import AutoModelForTokenClassification
-
-    from rlhf_core.rollout.reward_server import make_server
 
     path, tok = tiny
     rm_dir = path.parent / "rm_tokens"
@@ -473,13 +459,9 @@ def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(
     assert local == pytest.approx([float(per_token[0][3:].sum()), float(per_token[1][3:].sum())], abs=1e-5) and why == [None, None]
     with pytest.raises(R.RewardError, match="prompt_len"):
         R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)([{"token_ids": ids[0]}])
-    srv = make_server(str(rm_dir), port=0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with serve_reward(rm_dir) as srv:
         remote, _, _ = R.HttpReward(f"http://127.0.0.1:{srv.server_address[1]}/score")(samples)
         assert remote == pytest.approx(local, abs=1e-5)
-    finally:
-        srv.shutdown()
 
 
 def test_likelihood_reward_model_scores_the_response_log_prob(tiny):

@@ -4,9 +4,10 @@ checked for real in tests/runtime/test_cluster.py."""
 import base64
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
+from conftest import JsonHandler
 
 from rlhf_core.config import config_hash, config_secrets, config_to_dict, redact_url, restore_secrets
 from rlhf_core.runtime import env as E
@@ -77,22 +78,13 @@ def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeyp
     assert SECRET not in (out / "manifest.json").read_text() and "***@127.0.0.1:9" in (out / "manifest.json").read_text()
 
 
-class _Auth(BaseHTTPRequestHandler):
+class _Auth(JsonHandler):
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         good = "Basic " + base64.b64encode(f"user:{SECRET}".encode()).decode()
         if self.headers.get("Authorization") != good:
-            self.send_response(401)
-            self.end_headers()
-            return
-        data = json.dumps({"rewards": [1.0] * len(body["responses"])}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+            return self.reply(code=401)
+        self.reply({"rewards": [1.0] * len(body["responses"])})
 
 
 def test_http_reward_sends_url_credentials_as_basic_auth_and_never_shows_them():

@@ -6,7 +6,6 @@ cluster, and the submitted sft places one rank on each node."""
 import os
 import re
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from rlhf_core.runtime.cluster import free_ports
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,16 +35,6 @@ child=$!
 trap 'kill -INT $child; wait $child' TERM
 wait $child
 '''
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture

@@ -2,13 +2,13 @@
 import base64
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import rlhf, run_stage
+from conftest import JsonHandler, rlhf, run_stage
 from safetensors.torch import load_file
 
 from rlhf_core.artifacts.manifest import verify_manifest
@@ -206,25 +206,16 @@ def test_burst_of_10x_the_default_batch_keeps_memory_bounded(project, ray_head, 
 SECRET = "pa55-9f8e7d6c"
 
 
-class _ScoringServer(BaseHTTPRequestHandler):
+class _ScoringServer(JsonHandler):
     """A reward server behind basic auth: additions score a constant (a zero-variance group, which
     DAPO's dynamic sampling drops), subtractions the share of digits in the response."""
 
     def do_POST(self):  # noqa: N802
         if self.headers.get("Authorization") != "Basic " + base64.b64encode(f"rl:{SECRET}".encode()).decode():
-            self.send_response(401)
-            self.end_headers()
-            return
+            return self.reply(code=401)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         rewards = [1.0 if "+" in p else sum(c.isdigit() for c in r) / max(1, len(r)) for p, r in zip(body["prompts"], body["responses"])]
-        data = json.dumps({"rewards": rewards}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
+        self.reply({"rewards": rewards})
 
 
 @pytest.mark.xdist_group("rl_more")
