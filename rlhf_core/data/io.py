@@ -7,7 +7,8 @@ Formats (ARCHITECTURE.md §3):
   text  text                   (pretraining documents)
 
 A malformed row (missing key, wrong type, empty text, non-UTF-8, over `max_chars`, duplicate
-`id`, chosen == rejected) is rejected with a reason, written to a rejects file and counted.
+`id`, chosen == rejected, a bad image: `data/images.py`) is rejected with a reason, written to a
+rejects file and counted.
 Nothing is silently dropped: above `max_reject_ratio` the load fails with a summary.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from rlhf_core import atomic
+from rlhf_core.data.images import ImageRules, check_row_images
 
 SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label"), "text": ("text",),
            "unpaired": ("prompt", "completion")}
@@ -137,9 +139,10 @@ def map_keys(row: dict, keys: dict[str, str]) -> dict:
 
 
 def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_chars: int = 4096, max_reject_ratio: float = 0.05,
-              keys: dict[str, str] | None = None) -> LoadResult:
+              keys: dict[str, str] | None = None, image_rules: ImageRules | None = None) -> LoadResult:
     """Read and validate `path` as `kind` data; write rejects (JSONL: line, reason, row) to `rejects_path`.
     `keys`: our column name -> the file's (see `map_keys`); a missing one is named both ways.
+    Rows with `images` have them checked against `image_rules` (paths relative to the file's dir).
 
     Raises DataError if the file is missing, no row is valid, or more than `max_reject_ratio`
     of the rows are rejected.
@@ -151,6 +154,7 @@ def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_char
     if not path.exists():
         raise DataError(f"{path}: no such file or directory")
     rows, rejects, seen_ids = [], [], set()
+    image_dir = path if path.is_dir() else path.parent
     for lineno, row, reason in _iter_rows(path):
         if reason is None:
             row = map_keys(row, renamed)
@@ -158,6 +162,8 @@ def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_char
             missing = reason and reason.startswith("missing key ") and reason.split("'")[1]
             if missing in renamed:
                 reason = f"missing key {renamed[missing]!r} (the {missing} column, set by its *_key setting)"
+        if reason is None and row.get("images") is not None:
+            reason = check_row_images(row, image_dir, image_rules or ImageRules())
         if reason is None and "id" in row:
             if row["id"] in seen_ids:
                 reason = f"duplicate id {row['id']!r}"

@@ -25,7 +25,13 @@ class ShapesConfig:
     cells: int = 4
     """The scene is a cells x cells grid, one object per occupied cell."""
     max_objects: int = 6
+    max_count: int = 3
+    """Answers are drawn uniformly from 0..max_count (then the scene is drawn to match), so no
+    blind guess beats 1 / (max_count + 1): the picture has to be looked at."""
     num_train: int = 2000
+    """sft rows (image, question, answer)."""
+    num_rl: int = 1000
+    """rl prompts (image, question, label), scenes of their own."""
     num_eval: int = 200
 
     def __post_init__(self):
@@ -33,6 +39,8 @@ class ShapesConfig:
             raise ValueError(f"image_size {self.image_size} must split into {self.cells} cells of >= 8 pixels")
         if not 1 <= self.max_objects <= self.cells ** 2:
             raise ValueError(f"max_objects must be in [1, {self.cells ** 2}]")
+        if not 1 <= self.max_count <= self.max_objects:
+            raise ValueError(f"max_count must be in [1, max_objects={self.max_objects}]")
 
 
 @dataclass(frozen=True)
@@ -45,16 +53,26 @@ class Thing:
     """(left, top, right, bottom) pixels, inside the cell."""
 
 
-def draw_scene(rng: random.Random, cfg: ShapesConfig) -> list[Thing]:
-    n = rng.randint(1, cfg.max_objects)
+def matches(colour: str, shape: str, query: tuple[str | None, str | None]) -> bool:
+    """Whether a (colour, shape) object is what `query` counts (None: any colour / any shape)."""
+    return query[0] in (None, colour) and query[1] in (None, shape)
+
+
+def draw_scene(rng: random.Random, cfg: ShapesConfig, query: tuple[str | None, str | None], k: int) -> list[Thing]:
+    """A scene with exactly `k` objects matching `query` among up to max_objects."""
+    n = rng.randint(max(k, 1), cfg.max_objects)
     cells = rng.sample([(r, c) for r in range(cfg.cells) for c in range(cfg.cells)], n)
+    wanted = [(colour, shape) for colour in sorted(COLOURS) for shape in SHAPES if matches(colour, shape, query)]
+    others = [(colour, shape) for colour in sorted(COLOURS) for shape in SHAPES if not matches(colour, shape, query)]
+    kinds = [rng.choice(wanted) for _ in range(k)] + [rng.choice(others) for _ in range(n - k)]
+    rng.shuffle(kinds)
     step = cfg.image_size // cfg.cells
     things = []
-    for r, c in sorted(cells):
+    for (r, c), (colour, shape) in zip(sorted(cells), kinds):
         size = rng.randint(step * 5 // 8, step - 2)
         left = c * step + rng.randint(1, step - size - 1)
         top = r * step + rng.randint(1, step - size - 1)
-        things.append(Thing(rng.choice(SHAPES), rng.choice(sorted(COLOURS)), (r, c), (left, top, left + size, top + size)))
+        things.append(Thing(shape, colour, (r, c), (left, top, left + size, top + size)))
     return things
 
 
@@ -78,33 +96,42 @@ def render(things: list[Thing], cfg: ShapesConfig) -> bytes:
     return buf.getvalue()
 
 
-def count(things: list[Thing], colour: str, shape: str) -> int:
-    return sum(t.colour == colour and t.shape == shape for t in things)
+def count(things: list[Thing], query: tuple[str | None, str | None]) -> int:
+    return sum(matches(t.colour, t.shape, query) for t in things)
 
 
-def question(colour: str, shape: str) -> str:
-    return f"{IMAGE_TOKEN}How many {colour} {shape}s? A:"
+def question(query: tuple[str | None, str | None]) -> str:
+    """`<image>How many red squares? A:` / `... red shapes?` / `... circles?`"""
+    colour, shape = query
+    words = " ".join(w for w in (colour, f"{shape}s" if shape else "shapes") if w)
+    return f"{IMAGE_TOKEN}How many {words}? A:"
 
 
-def ask(rng: random.Random, things: list[Thing]) -> tuple[str, str]:
-    """A (colour, shape) to count: half the time one that is in the picture, else any (often 0)."""
-    if rng.random() < 0.5:
-        t = rng.choice(things)
-        return t.colour, t.shape
-    return rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+def parse_question(prompt: str) -> tuple[str | None, str | None]:
+    """The query a `question` asks (for checking answers against a scene)."""
+    words = prompt.split("How many ", 1)[1].split("?", 1)[0].split()
+    colour = words[0] if words[0] in COLOURS else None
+    shape = words[-1][:-1] if words[-1][:-1] in SHAPES else None
+    return colour, shape
+
+
+def ask(rng: random.Random) -> tuple[str | None, str | None]:
+    """A query: a colour and a shape, a colour alone, or a shape alone (a third each)."""
+    colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+    return [(colour, shape), (colour, None), (None, shape)][rng.randrange(3)]
 
 
 def generate_shapes(cfg: ShapesConfig, seed: int) -> dict[str, list[dict]]:
-    """{"train": rows, "eval": rows}; a row: prompt, label (the count), `image` (PNG bytes) and
-    `scene` (what was drawn).  Eval scenes are drawn from their own stream (seed + 1)."""
+    """{"train", "rl", "eval": rows}; a row: prompt, label (the count), `image` (PNG bytes) and
+    `scene` (what was drawn).  Each split's scenes come from a stream of their own."""
     out = {}
-    for split, n, offset in (("train", cfg.num_train, 0), ("eval", cfg.num_eval, 1)):
+    for split, n, offset in (("train", cfg.num_train, 0), ("eval", cfg.num_eval, 1), ("rl", cfg.num_rl, 2)):
         rng = random.Random(seed * 1_000_003 + offset)
         rows = []
         for i in range(n):
-            things = draw_scene(rng, cfg)
-            colour, shape = ask(rng, things)
-            rows.append({"id": f"{split}-{i:05d}", "prompt": question(colour, shape), "label": str(count(things, colour, shape)),
+            query, k = ask(rng), rng.randint(0, cfg.max_count)
+            things = draw_scene(rng, cfg, query, k)
+            rows.append({"id": f"{split}-{i:05d}", "prompt": question(query), "label": str(count(things, query)),
                          "image": render(things, cfg), "scene": things})
         out[split] = rows
     return out

@@ -51,6 +51,15 @@ def pad_batch(examples: list[dict], pad_id: int, keys=("input_ids", "loss_mask")
     return out
 
 
+def forward_inputs(batch: dict) -> dict:
+    """The model's inputs in a collated batch: ids and mask, and a VLM's `pixel_values` when the
+    batch has images (one row per image, in the order of the ids' image tokens)."""
+    out = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if batch.get("pixel_values") is not None:
+        out["pixel_values"] = batch["pixel_values"]
+    return out
+
+
 def tokenize_rows(rows: list[dict], fn, max_len: int) -> tuple[list[dict], list[dict]]:
     """Apply `fn(row) -> example`; rows over max_len become rejects with a reason (never dropped silently)."""
     examples, rejects = [], []

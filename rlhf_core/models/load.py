@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 KINDS = ("causal_lm", "reward", "value")
-"""causal_lm: the LM head; reward: a sequence-classification head with one label (a score per
-sequence); value: a token-classification head with one label (a critic's V(s_t) at every position)."""
+"""causal_lm: the LM head (a vision-language model's: `AutoModelForImageTextToText`); reward: a
+sequence-classification head with one label (a score per sequence); value: a token-classification
+head with one label (a critic's V(s_t) at every position)."""
 
 
 def check_model_path(path: str) -> None:
@@ -17,17 +18,35 @@ def check_model_path(path: str) -> None:
         raise FileNotFoundError(f"model_path {path!r} does not exist (run the upstream stage first, or set --set STAGE.model_path=...)")
 
 
+def is_vision_model(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether `path` is a vision-language model (its config has a vision tower)."""
+    from transformers import AutoConfig
+
+    check_model_path(path)
+    return hasattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "vision_config")
+
+
+def load_processor(path: str, trust_remote_code: bool = False):
+    """A vision-language model's processor (its image processor turns images into `pixel_values`)."""
+    from transformers import AutoProcessor
+
+    check_model_path(path)
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 def load_model(path: str, kind: str = "causal_lm", dtype: str | None = "float32", trust_remote_code: bool = False, load_in_4bit: bool = False):
     """`kind` (one of KINDS) from `path`.  `dtype`: a torch dtype name ("float32", "bfloat16"), or
     None for transformers' default (the reward model keeps the dtype it was saved in).
     `load_in_4bit`: NF4 weights with bf16 compute (QLoRA's base; bitsandbytes on CUDA)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; valid: {KINDS}")
     check_model_path(path)
     cls = {"causal_lm": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification, "value": AutoModelForTokenClassification}[kind]
+    if kind == "causal_lm" and is_vision_model(path, trust_remote_code):
+        cls = AutoModelForImageTextToText
     heads = {} if kind == "causal_lm" else {"num_labels": 1}
     dtypes = {} if dtype is None else {"dtype": getattr(torch, dtype)}
     if load_in_4bit:

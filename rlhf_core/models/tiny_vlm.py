@@ -20,7 +20,7 @@ IMAGE_TOKEN = "<image>"
 
 @dataclass(frozen=True, kw_only=True)
 class TinyVLMConfig:
-    text: TinyModelConfig = TinyModelConfig()
+    """The vision side (the language model is a `TinyModelConfig`, as for the text-only base)."""
     image_size: int = 56
     patch_size: int = 14
     """(image_size / patch_size)^2 image tokens per image: 16 at the defaults."""
@@ -39,16 +39,15 @@ def add_image_token(tokenizer) -> int:
     return tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
 
-def build_vlm(cfg: TinyVLMConfig, tokenizer, seed: int):
+def build_vlm(cfg: TinyVLMConfig, t: TinyModelConfig, tokenizer, seed: int):
     """(model, processor): a seeded `LlavaForConditionalGeneration` (fp32) and its `LlavaProcessor`.
     `tokenizer` gets the `<image>` token if it lacks it."""
     import torch
-    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     if image_id is None or image_id == tokenizer.unk_token_id:
         image_id = add_image_token(tokenizer)
-    t = cfg.text
     text = dict(model_type="qwen3", vocab_size=len(tokenizer), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                 num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads,
                 head_dim=t.hidden_size // t.num_heads, max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=t.tie_word_embeddings,
@@ -63,7 +62,8 @@ def build_vlm(cfg: TinyVLMConfig, tokenizer, seed: int):
     model = LlavaForConditionalGeneration(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    images = CLIPImageProcessor(size={"shortest_edge": cfg.image_size}, crop_size={"height": cfg.image_size, "width": cfg.image_size})
+    # the PIL backend: the default one needs torchvision (see the module doc)
+    images = CLIPImageProcessorPil(size={"shortest_edge": cfg.image_size}, crop_size={"height": cfg.image_size, "width": cfg.image_size})
     processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=cfg.patch_size, vision_feature_select_strategy="default",
                                image_token=IMAGE_TOKEN, num_additional_image_tokens=1)  # CLIP's class token, dropped by "default"
     return model, processor

@@ -100,6 +100,8 @@ class Episode:
     finish_reason: str = "stop"
     last_action: str = ""
     actions: list[str] = field(default_factory=list)
+    images: list = field(default_factory=list)
+    """Image references (paths or bytes) in the order of the token_ids' image placeholders (VLMs)."""
 
 
 class LocalEnvironments:
@@ -134,17 +136,21 @@ def environments(agent: str, agent_file: str | None, timeout: float):
 
 
 def generate_turn(engine, contexts: list[list[int]], budgets: list[int], temperature: float, seeds: list[int], segment: int,
-                  version) -> list[tuple]:
+                  version, pixels: list | None = None) -> list[tuple]:
     """One turn of every context: (completion, each token's policy version).  With `segment` > 0
     (partial rollouts) it is generated `segment` tokens at a time and `version()` -- which first
     lets a waiting weight sync in -- is asked before each piece: an episode interrupted by a sync
     continues from its tokens so far under the new weights.  Piece p > 0 of a context samples
-    with its own seed (the first piece with the turn's, so segment=0 and one piece agree)."""
+    with its own seed (the first piece with the turn's, so segment=0 and one piece agree).
+    `pixels`: per context its images' pixel values (a VLM), None where it has none."""
     from rlhf_core.rollout.engines import Completion  # here: the environment host process imports this module, without torch
 
+    images = {"pixels": pixels} if pixels and any(p is not None for p in pixels) else {}
     if segment <= 0:
         v = version()
-        return [(out, [v] * len(out.token_ids)) for out in engine.generate(contexts, budgets, temperature, seeds)]
+        return [(out, [v] * len(out.token_ids)) for out in engine.generate(contexts, budgets, temperature, seeds, **images)]
+    if images:
+        raise NotImplementedError("partial rollouts (rl.partial_rollout_tokens) of image prompts are not supported yet")
     done = [(Completion([], [], "length"), []) for _ in contexts]
     active, piece = list(range(len(contexts))), 0
     while active:
@@ -166,16 +172,21 @@ def generate_turn(engine, contexts: list[list[int]], budgets: list[int], tempera
 
 
 def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int,
-                 temperature: float, max_len: int, max_turns: int = 8, segment: int = 0, version=lambda: 0) -> list[Episode]:
+                 temperature: float, max_len: int, max_turns: int = 8, segment: int = 0, version=lambda: 0, images: list | None = None,
+                 vision=None) -> list[Episode]:
     """Play one episode per (prompt, label, seed), all turns batched through the engine; `envs`
     from `environments` (a fresh environment per episode).  `segment`, `version`: partial
-    rollouts (`generate_turn`); `version()` is the engine's policy version."""
+    rollouts (`generate_turn`); `version()` is the engine's policy version.  `images`: per prompt
+    its image references (VLM rows; `vision`, a `data.images.VisionInputs`, expands their
+    placeholders and makes their pixel values)."""
     eos = tokenizer.eos_token_id
     envs.new(len(prompts))
-    episodes = []
+    episodes, pixels = [], []
     for i, (prompt, label) in enumerate(zip(prompts, labels)):
-        ids = tokenizer(envs.reset(i, prompt, label)).input_ids
-        episodes.append(Episode(prompt_len=len(ids), token_ids=list(ids)))
+        obs, refs = envs.reset(i, prompt, label), list((images or [None] * len(prompts))[i] or [])
+        ids = vision.prompt_ids(obs, refs) if refs else tokenizer(obs).input_ids
+        episodes.append(Episode(prompt_len=len(ids), token_ids=list(ids), images=refs))
+        pixels.append(vision.pixel_values(refs) if refs else None)
     active = list(range(len(episodes)))
     for turn in range(max_turns):
         if not active:
@@ -186,7 +197,7 @@ def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str],
             episodes[i].finish_reason = "length"
         # one seed per (episode, turn): turns of one episode never reuse a random stream
         outs = generate_turn(engine, [episodes[i].token_ids for i in runnable], [b for b in budget if b > 0], temperature,
-                             [seeds[i] * 8191 + turn for i in runnable], segment, version) if runnable else []
+                             [seeds[i] * 8191 + turn for i in runnable], segment, version, [pixels[i] for i in runnable]) if runnable else []
         still = []
         for i, (out, versions) in zip(runnable, outs):
             ep = episodes[i]

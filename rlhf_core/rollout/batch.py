@@ -55,6 +55,8 @@ class RolloutBatch:
     token_versions: list[list[int]] | None = None
     """Per response token, the policy version that generated it (partial rollouts: an episode can
     span a weight sync; `policy_version` is the oldest)."""
+    images: list[list] | None = None
+    """Per sample its image references (paths or bytes) in the order of its image tokens (VLMs)."""
     # --- the step's columns, None until their step ran
     reward: list[float] | None = None
     """Combined reward of the sources (NaN where invalid)."""
@@ -93,7 +95,8 @@ class RolloutBatch:
                    policy_version=[e["policy_version"] for e in episodes], env_reward=[e["env_reward"] for e in episodes],
                    filter=["kept"] * len(episodes), action_mask=response_matrix([e["action_mask"] for e in episodes]),
                    engine_logprobs=response_matrix([e["engine_logprobs"] for e in episodes]),
-                   token_versions=[e["token_versions"] for e in episodes])
+                   token_versions=[e["token_versions"] for e in episodes],
+                   images=[e.get("images") or [] for e in episodes] if any(e.get("images") for e in episodes) else None)
 
     def __len__(self) -> int:
         return len(self.prompt)

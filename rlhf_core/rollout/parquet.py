@@ -5,6 +5,7 @@ column types and a reader can rely on them.  `summarize` backs `rlhf rollouts sh
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -24,13 +25,16 @@ SCHEMA = pa.schema([
     ("reward_components", STR), ("score", F32), ("kl", F32), ("advantages", pa.list_(F32)), ("returns", pa.list_(F32)),
     ("response_length", I64), ("num_turns", I64), ("truncated", pa.bool_()), ("finish_reason", STR),
     ("filter", STR), ("invalid_reason", STR), ("token_versions", pa.list_(I64)),
+    ("images", pa.list_(STR)), ("image_sha256", pa.list_(STR)),
 ])
 """`reward` = combined reward from the sources; `score` = reward after penalties (what the baseline
 sees); `kl` = summed per-token KL to the reference; `filter` = "kept" | "invalid" |
 "zero_variance_group" | "surplus" (DAPO dynamic sampling: a kept group beyond the step's batch) |
 "stale" (async: generated more than rl.max_staleness policy versions before the step's);
 `policy_version` = the version of the weights that generated the sample (the oldest, when a
-partial rollout spans a sync: `token_versions` has each response token's); `reward_components` = JSON {source: value}."""
+partial rollout spans a sync: `token_versions` has each response token's); `reward_components` = JSON {source: value};
+`images` / `image_sha256` = the sample's pictures (VLM rows) in the order of its image tokens: each
+file's path (`<bytes>` for one given inline) and sha256, so a rollout names exactly what was seen."""
 
 
 def _f(v):
@@ -40,7 +44,7 @@ def _f(v):
 # where each Parquet column comes from: a RolloutBatch field (the per-token ones unpadded), or
 # derived.  Fields not stored: env_reward (it is the `env` reward component), centred_score.
 DERIVED = {"run_id", "step", "prompt_token_ids", "response_token_ids", "response_length", "truncated", "kl", "values",
-           "reward_components", "num_turns", "invalid_reason"}
+           "reward_components", "num_turns", "invalid_reason", "images", "image_sha256"}
 NOT_STORED = {"env_reward", "centred_score", "group", "token_ids", "prompt_len", "components", "invalid", "turns"}
 
 
@@ -63,8 +67,16 @@ def records(batch: RolloutBatch, run_id: str, step: int) -> list[dict]:
             "num_turns": batch.turns[i], "truncated": batch.finish_reason[i] == "length", "finish_reason": batch.finish_reason[i],
             "filter": batch.filter[i], "invalid_reason": batch.invalid[i] if batch.invalid else None,
             "token_versions": batch.token_versions[i] if batch.token_versions else None,
+            **_image_columns(batch.images[i] if batch.images else None),
         })
     return out
+
+
+def _image_columns(refs: list | None) -> dict:
+    if not refs:
+        return {"images": None, "image_sha256": None}
+    return {"images": [r if isinstance(r, str) else "<bytes>" for r in refs],
+            "image_sha256": [hashlib.sha256(Path(r).read_bytes() if isinstance(r, str) else r).hexdigest() for r in refs]}
 
 
 def write_step(rollout_dir: Path, step: int, rows: list[dict]) -> Path:

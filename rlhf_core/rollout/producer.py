@@ -25,6 +25,11 @@ from typing import Callable
 from rlhf_core.rollout.batch import RolloutBatch
 
 
+def image_refs(rows: list[dict]) -> tuple:
+    """The rollout call's `images` argument: per row its image references; nothing for text rows."""
+    return ([r.get("images") for r in rows],) if any(r.get("images") for r in rows) else ()
+
+
 def round_jobs(rows: list[dict], prompt_idx: list[int], start: int, n_samples: int, seed: int) -> list[dict]:
     """Every (prompt, sample) of the round whose first prompt is number `start` in the run's
     prompt sequence; each with its own seed, a pure function of (seed, position, sample)."""
@@ -117,7 +122,7 @@ class RolloutProducer:
         jobs = round_jobs(self.rows, self.order(start, self.prompts_per_step), start, self.n_samples, self.seed)
         shards = [s for s in (jobs[i::len(self.workers)] for i in range(len(self.workers))) if s]
         refs = [w.rollout.remote([x["row"]["prompt"] for x in s], [x["row"]["label"] for x in s], [x["seed"] for x in s],
-                                 self.max_new_tokens, self.temperature) for w, s in zip(self.workers, shards)]
+                                 self.max_new_tokens, self.temperature, *image_refs([x["row"] for x in s])) for w, s in zip(self.workers, shards)]
         self.queue.append(Round(start, shards, refs, syncs=self.pending_syncs))
         self.pending_syncs = []
         self.cursor += self.prompts_per_step

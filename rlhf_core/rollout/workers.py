@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import torch
 
-from rlhf_core.models.load import actor_device, load_model, load_tokenizer
+from rlhf_core.models.load import actor_device, is_vision_model, load_model, load_processor, load_tokenizer
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
 from rlhf_core.runtime.weight_sync import Layout, WeightGroup, empty_buffers, unflatten
@@ -37,6 +37,11 @@ class RolloutWorker(PeakMemory):
 
         torch.set_num_threads(max(1, threads))
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
+        self.vision = None  # a VLM's processor side: image placeholders and pixel values
+        if is_vision_model(model_path, trust_remote_code):
+            from rlhf_core.data.images import VisionInputs
+
+            self.vision = VisionInputs(load_processor(model_path, trust_remote_code))
         # every engine takes the same settings and ignores what it has no use for (hf: memory, sleep)
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                       enable_sleep_mode=bool(sleep), sleep_level=int(sleep) or 1, trust_remote_code=trust_remote_code,
@@ -47,14 +52,16 @@ class RolloutWorker(PeakMemory):
         self.lock = threading.Lock()
         self.syncs_waiting = 0
 
-    def rollout(self, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int, temperature: float) -> list[dict]:
-        """Play one episode per prompt; returns plain dicts (token ids, masks, engine log-probs)."""
+    def rollout(self, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int, temperature: float,
+                images: list | None = None) -> list[dict]:
+        """Play one episode per prompt; returns plain dicts (token ids, masks, engine log-probs).
+        `images`: per prompt its image references (VLM rows)."""
         from rlhf_core.rollout.agents import run_episodes
 
         faults.hang("rollout")
         t0 = time.time()
         episodes = run_episodes(Locked(self.engine, self.lock), self.tokenizer, self.envs, prompts, labels, seeds, max_new_tokens,
-                                temperature, self.max_len, self.max_turns, self.segment, self.current_version)
+                                temperature, self.max_len, self.max_turns, self.segment, self.current_version, images, self.vision)
         out = []
         for ep in episodes:
             d = asdict(ep)
@@ -74,14 +81,21 @@ class RolloutWorker(PeakMemory):
     def ready(self) -> bool:
         return True
 
-    def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def _pixels(self, images: list | None) -> dict:
+        """The engine's `pixels` argument for per-prompt image references (none: no argument)."""
+        if not images or not any(images):
+            return {}
+        return {"pixels": [self.vision.pixel_values(refs) if refs else None for refs in images]}
+
+    def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int, images: list | None = None) -> list[list[int]]:
         with self.lock:
-            outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), 0.0, [0] * len(prompt_ids))
+            outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), 0.0, [0] * len(prompt_ids), **self._pixels(images))
         return [o.token_ids for o in outs]
 
-    def sample(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int]) -> list[list[int]]:
+    def sample(self, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int],
+               images: list | None = None) -> list[list[int]]:
         with self.lock:
-            outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), temperature, seeds)
+            outs = self.engine.generate(prompt_ids, [max_new_tokens] * len(prompt_ids), temperature, seeds, **self._pixels(images))
         return [o.token_ids for o in outs]
 
     def update_weights(self, named_tensors, version: int) -> float:
@@ -125,9 +139,9 @@ class Locked:
     def __init__(self, engine, lock: threading.Lock):
         self.engine, self.lock = engine, lock
 
-    def generate(self, *args):
+    def generate(self, *args, **kwargs):
         with self.lock:
-            out = self.engine.generate(*args)
+            out = self.engine.generate(*args, **kwargs)
             faults.slow_piece()  # a slow engine, for the tests: a sync arriving now waits for the piece
             return out
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict, restore_secrets
+from rlhf_core.data.images import ImageRules, VisionInputs, image_files
 from rlhf_core.data.io import DataError, load_rows, write_jsonl
 from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
@@ -26,13 +27,32 @@ def load_tokenizer(cfg: TrainConfig):
     return models_load.load_tokenizer(cfg.model_path, cfg.trust_remote_code)
 
 
-def prompt_formatter(tokenizer, use_chat_template: bool):
-    """row -> prompt token ids, optionally through the tokenizer's chat template."""
+def load_vision(cfg: TrainConfig) -> VisionInputs | None:
+    """The start model's image side if it is a vision-language model, else None."""
+    if not models_load.is_vision_model(cfg.model_path, cfg.trust_remote_code):
+        return None
+    return VisionInputs(models_load.load_processor(cfg.model_path, cfg.trust_remote_code))
+
+
+def prompt_formatter(tokenizer, use_chat_template: bool, vision: VisionInputs | None = None):
+    """row -> prompt token ids, optionally through the tokenizer's chat template; a row with
+    `images` goes through the VLM's processor (an error for a text-only model)."""
     if use_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("use_chat_template is set but the tokenizer has no chat template")
     if use_chat_template:
-        return lambda row: chat_ids(tokenizer, [{"role": "user", "content": row["prompt"]}]) if "prompt" in row else prompt_ids(tokenizer, row)
-    return lambda row: prompt_ids(tokenizer, row)
+        text = lambda row: chat_ids(tokenizer, [{"role": "user", "content": row["prompt"]}]) if "prompt" in row else prompt_ids(tokenizer, row)  # noqa: E731
+    else:
+        text = lambda row: prompt_ids(tokenizer, row)  # noqa: E731
+
+    def fmt(row: dict) -> list[int]:
+        if not row.get("images"):
+            return text(row)
+        if vision is None:
+            raise ValueError("the data has image rows (an `images` column) but model_path is not a vision-language model")
+        if use_chat_template:
+            raise ValueError("use_chat_template with image rows is not supported yet: write the prompt with its <image> placeholders")
+        return vision.prompt_ids(row["prompt"], row["images"])
+    return fmt
 
 
 def response_text(row: dict) -> str:
@@ -41,7 +61,9 @@ def response_text(row: dict) -> str:
 
 def load_data(path: str, kind: str, cfg: TrainConfig, rejects_path: Path) -> list[dict]:
     keys = {"prompt": cfg.input_key, "response": cfg.output_key, "label": cfg.label_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
-    result = load_rows(path, kind, rejects_path=rejects_path, max_chars=cfg.max_chars, max_reject_ratio=cfg.max_reject_ratio, keys=keys)
+    images = ImageRules(tuple(cfg.image_modes.split(",")), cfg.max_image_pixels, cfg.max_image_bytes)
+    result = load_rows(path, kind, rejects_path=rejects_path, max_chars=cfg.max_chars, max_reject_ratio=cfg.max_reject_ratio, keys=keys,
+                       image_rules=images)
     if result.num_rejected:
         log.warning("%s: %d of %d rows rejected (%s); see %s", path, result.num_rejected, result.num_total, dict(result.reasons), rejects_path)
     return result.rows
@@ -58,16 +80,30 @@ def check_too_long(rejects: list[dict], total: int, cfg: TrainConfig, path: Path
 
 
 class Collate:
-    def __init__(self, pad_id: int, keys=("input_ids", "loss_mask")):
-        self.pad_id, self.keys = pad_id, keys
+    """Padded batches; with `vision`, also the `pixel_values` of the examples' images in order."""
+
+    def __init__(self, pad_id: int, keys=("input_ids", "loss_mask"), vision: VisionInputs | None = None):
+        self.pad_id, self.keys, self.vision = pad_id, keys, vision
 
     def __call__(self, examples: list[dict]) -> dict:
-        return pad_batch(examples, self.pad_id, self.keys)
+        batch = pad_batch(examples, self.pad_id, self.keys)
+        if self.vision is not None:
+            batch["pixel_values"] = self.vision.pixel_values([ref for e in examples for ref in e.get("images", ())])
+        return batch
 
 
-def eval_accuracy(group, tokenizer, prompts: list[list[int]], labels: list[str], cfg: TrainConfig) -> dict:
-    """`eval/accuracy`: greedy completion (up to EOS), cut at newline, stripped, == label."""
-    outs = group.call_rank0("generate", prompts, cfg.eval_max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.eval_batch_size)
+def eval_pixels(vision: VisionInputs | None, rows: list[dict]) -> list | None:
+    """Per eval row its images' pixel values (None for a row without), for `eval_accuracy`."""
+    if vision is None or not any(r.get("images") for r in rows):
+        return None
+    return [vision.pixel_values(r.get("images") or []) for r in rows]
+
+
+def eval_accuracy(group, tokenizer, prompts: list[list[int]], labels: list[str], cfg: TrainConfig, pixels: list | None = None) -> dict:
+    """`eval/accuracy`: greedy completion (up to EOS), cut at newline, stripped, == label.
+    `pixels`: per prompt its images' pixel values (VLM eval rows), or None."""
+    outs = group.call_rank0("generate", prompts, cfg.eval_max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.eval_batch_size,
+                            pixels)
     texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
     return {"eval/accuracy": exact_match_accuracy(texts, labels)}
 
@@ -87,16 +123,32 @@ def model_card(stage: str, cfg: TrainConfig, metrics: dict, what: str) -> str:
             f"| metric | value |\n|---|---|\n{rows}\n\nSee `../manifest.json` for exact inputs and file hashes.\n")
 
 
-def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict, extra_inputs: tuple = ()) -> None:
+def image_records(rows: list[dict]) -> list[dict]:
+    """Lineage records of the image files `rows` reference (one per directory, each file's sha256
+    as validated at load), so `rlhf lineage verify` catches a changed picture like a changed row."""
+    by_dir: dict[str, dict[str, str]] = {}
+    for path, digest in sorted(image_files(rows).items()):
+        p = Path(path)
+        try:
+            parent = p.parent.relative_to(Path.cwd()).as_posix()
+        except ValueError:  # outside the project: the absolute path
+            parent = p.parent.as_posix()
+        by_dir.setdefault(parent, {})[p.name] = digest
+    return [{"path": d, "kind": "data", "files": files} for d, files in by_dir.items()]
+
+
+def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict, extra_inputs: tuple = (), records: list[dict] = ()) -> None:
     """metrics.json + manifest.json (checkpoints/ excluded: they carry their own checksums).
-    `extra_inputs`: further files/dirs the result depends on (reward model, reward/agent code)."""
+    `extra_inputs`: further files/dirs the result depends on (reward model, reward/agent code);
+    `records`: ready lineage records (`image_records`)."""
     atomic.write_json(out_dir / "metrics.json", metrics)
     history = out_dir / "train_history.jsonl"
     if history.exists():  # `dvc plots` reads JSON (a list of rows), not JSON lines
         rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
         atomic.write_text(out_dir / "train_history.json", json.dumps(rows))
-    records = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p and Path(p).exists()]
-    inputs = list({r["path"]: r for r in records}.values())  # train and eval data often share one artifact
+    records_of_paths = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p and Path(p).exists()]
+    inputs = list({r["path"]: r for r in records_of_paths}.values())  # train and eval data often share one artifact
+    inputs += [r for r in records if r["path"] not in {i["path"] for i in inputs}]  # an artifact's manifest already covers its files
     write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,
                    metrics=metrics, seed=cfg.seed, run_ids=current_run_ids())
     log.info("%s done: %s", stage, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(metrics.items())}))

@@ -76,6 +76,12 @@ class TrainConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     max_reject_ratio: float = 0.05
+    image_modes: str = "RGB,RGBA,L,P"
+    """Image rows (`images` column): the PIL modes accepted (each is converted to RGB); an image in
+    another mode (CMYK, 16-bit, float) is rejected with the reason, like a corrupt or missing one."""
+    max_image_pixels: int = 2048 * 2048
+    """Images with more pixels are rejected (a decompression bomb never gets decoded)."""
+    max_image_bytes: int = 20 * 1024 * 1024
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
     resume: bool = True

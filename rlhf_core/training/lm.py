@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf_core.algos.losses import sft_loss, token_logprobs
-from rlhf_core.data.tokenize import prompt_response, tokenize_rows
+from rlhf_core.data.images import with_images
+from rlhf_core.data.tokenize import forward_inputs, prompt_response, tokenize_rows
 from rlhf_core.training import common
 
 # --- maths: run inside the workers (pickled by reference) -----------------------------------
@@ -13,14 +14,14 @@ from rlhf_core.training import common
 
 def loss_fn(model, batch, counts):
     """Masked NLL of the tokens `loss_mask` marks (the response for sft, every token when pretraining)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logits = model(**forward_inputs(batch)).logits[:, :-1]
     logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
     return sft_loss(logprobs, batch["loss_mask"][:, 1:], num_tokens=counts["num_tokens"])
 
 
 def nll_fn(model, batch):
     """Per example (summed NLL, tokens) of the masked tokens."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logits = model(**forward_inputs(batch)).logits[:, :-1]
     logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
     mask = batch["loss_mask"][:, 1:].float()
     return list(zip((-(logprobs * mask).sum(-1)).tolist(), mask.sum(-1).tolist()))
@@ -33,17 +34,18 @@ def count_tokens(batch: list[dict]) -> dict:
 # --- driver ---------------------------------------------------------------------------------
 
 
-def make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir: Path):
+def make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir: Path, vision=None):
     """`eval/accuracy` (greedy, exact match) and `eval/loss` (NLL of `label_prefix + label`) on
-    `cfg.eval_data` (prompt, label rows)."""
+    `cfg.eval_data` (prompt, label rows; with `vision`, image rows too)."""
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [format_prompt(r) for r in eval_rows]
-    encode = lambda r: prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len)  # noqa: E731
+    encode = lambda r: with_images(prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len), r)  # noqa: E731
     eval_examples, eval_too_long = tokenize_rows(eval_rows, encode, cfg.max_len)
     common.check_too_long(eval_too_long, len(eval_rows), cfg, out_dir / "rejects" / "eval_too_long.jsonl")
+    pixels = common.eval_pixels(vision, eval_rows)
 
     def evaluate(group) -> dict:
-        metrics = common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
+        metrics = common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg, pixels)
         nll = group.call_rank0("evaluate", common.batches(collate, eval_examples, cfg.eval_batch_size), nll_fn)
         metrics["eval/loss"] = sum(s for s, _ in nll) / max(1.0, sum(n for _, n in nll))
         return metrics

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +67,8 @@ class StageSpec:
     upstream: tuple[str, ...] = ()
     """Further inputs the training depends on besides `cfg.model_path` and the training data: a
     checkpoint built from others is not resumed (`chassis.resume_inputs`)."""
+    lineage: list[dict] = field(default_factory=list)
+    """Lineage records besides the model and data files (`common.image_records`: the pictures)."""
 
 
 STARTUP_TIMEOUT = 600.0

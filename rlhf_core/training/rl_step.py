@@ -28,6 +28,7 @@ from rlhf_core.algos.losses import (
     value_loss,
 )
 from rlhf_core.algos.shaping import kl_shaped_rewards
+from rlhf_core.data.tokenize import forward_inputs
 from rlhf_core.rollout.batch import RolloutBatch
 
 # the per-token columns the trainers read
@@ -59,10 +60,11 @@ def compute_advantages(batch: RolloutBatch, algo: str, *, kl_coef: float, kl_in_
 
 
 class RLCollate:
-    """A RolloutBatch -> padded tensors for the workers (see the module doc for the alignment)."""
+    """A RolloutBatch -> padded tensors for the workers (see the module doc for the alignment);
+    with `vision` (a VLM), also the `pixel_values` of the samples' images."""
 
-    def __init__(self, pad_id: int, keys: tuple[str, ...] = TRAIN_COLUMNS):
-        self.pad_id, self.keys = pad_id, keys
+    def __init__(self, pad_id: int, keys: tuple[str, ...] = TRAIN_COLUMNS, vision=None):
+        self.pad_id, self.keys, self.vision = pad_id, keys, vision
 
     def __call__(self, batch: RolloutBatch) -> dict:
         T = max(len(t) for t in batch.token_ids)
@@ -78,6 +80,8 @@ class RLCollate:
                 out[k][i, p - 1 : n - 1] = getattr(batch, k)[i, : n - p]
         out.update(input_ids=ids, attention_mask=attn, prompt_len=torch.tensor(batch.prompt_len),
                    length=torch.tensor([len(t) for t in batch.token_ids]))
+        if self.vision is not None and batch.images:
+            out["pixel_values"] = self.vision.pixel_values([ref for refs in batch.images for ref in refs])
         return out
 
 
@@ -94,13 +98,13 @@ def _slices(t: torch.Tensor, batch: dict) -> list[torch.Tensor]:
 def logprobs_fn(model, batch, temperature: float = 1.0) -> list[torch.Tensor]:
     """Each sample's response-token log-probs under `model` at the sampling `temperature` (old /
     reference log-probs): the distribution the engine sampled from, whose log-probs it reports."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    logits = model(**forward_inputs(batch)).logits[:, :-1].float()
     return _slices(token_logprobs(logits, batch["input_ids"][:, 1:], temperature), batch)
 
 
 def values_fn(model, batch) -> list[torch.Tensor]:
     """Critic values V(s_t) before each response token (token-classification head, 1 label)."""
-    values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+    values = model(**forward_inputs(batch)).logits[:, :-1, 0].float()
     return _slices(values, batch)
 
 
@@ -131,7 +135,7 @@ class PolicyObjective:
     is_batch_normalize: bool = False
 
     def __call__(self, model, batch, counts):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        logits = model(**forward_inputs(batch)).logits[:, :-1].float()
         if self.temperature != 1.0:
             logits = logits / self.temperature  # once, for the log-probs and the entropy alike
         lp = token_logprobs(logits, batch["input_ids"][:, 1:])
@@ -173,7 +177,7 @@ class CriticObjective:
     norm_len: int
 
     def __call__(self, model, batch, counts):
-        values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+        values = model(**forward_inputs(batch)).logits[:, :-1, 0].float()
         return value_loss(values, batch["old_values"], batch["returns"], batch["action_mask"], clip=self.value_clip, agg_mode=self.agg_mode,
                           num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=self.norm_len)
 

@@ -115,12 +115,14 @@ class TrainWorker(PeakMemory):
             return self.evaluate(batches, eval_fn)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_id: int, batch_size: int) -> list[list[int]]:
-        """Greedy continuations (token ids, without the prompt), left-padded batches."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int, eos_token_id: int, batch_size: int,
+                 pixels: list | None = None) -> list[list[int]]:
+        """Greedy continuations (token ids, without the prompt), left-padded batches; `pixels`:
+        per prompt its images' pixel values (a VLM's image rows)."""
         from rlhf_core.rollout.hf_engine import greedy_generate
 
         self.engine.eval()
-        return greedy_generate(self.engine.module, prompts, max_new_tokens, pad_token_id, eos_token_id, batch_size)
+        return greedy_generate(self.engine.module, prompts, max_new_tokens, pad_token_id, eos_token_id, batch_size, pixels)
 
     # --- state ----------------------------------------------------------------------------
 

@@ -1,13 +1,14 @@
 """The synthetic visual task: seeded, every answer is the count of what was drawn, and the pixels
 show each object in its colour where the scene says it is."""
 import io
+from collections import Counter
 
 import pytest
 
-from rlhf_core.data.shapes import COLOURS, ShapesConfig, count, generate_shapes
+from rlhf_core.data.shapes import COLOURS, ShapesConfig, count, generate_shapes, parse_question
 
 pytestmark = pytest.mark.unit
-SMALL = ShapesConfig(num_train=40, num_eval=10)
+SMALL = ShapesConfig(num_train=200, num_rl=10, num_eval=10)
 
 
 def test_seeded_and_answers_are_the_drawn_counts():
@@ -16,12 +17,10 @@ def test_seeded_and_answers_are_the_drawn_counts():
     a, b = generate_shapes(SMALL, seed=3), generate_shapes(SMALL, seed=3)
     assert [r["image"] for r in a["train"]] == [r["image"] for r in b["train"]]  # the same PNG bytes
     assert [r["image"] for r in generate_shapes(SMALL, seed=4)["train"]] != [r["image"] for r in a["train"]]
-    labels = set()
-    for row in a["train"] + a["eval"]:
-        words = row["prompt"].split("How many ")[1].split("? A:")[0].split()
-        colour, shape = words[0], words[1][:-1]
-        assert row["label"] == str(count(row["scene"], colour, shape))
-        labels.add(row["label"])
+    labels = Counter()
+    for row in a["train"] + a["eval"] + a["rl"]:
+        assert row["label"] == str(count(row["scene"], parse_question(row["prompt"])))
+        labels[row["label"]] += 1
         cells = [t.cell for t in row["scene"]]
         assert len(cells) == len(set(cells))  # one object per cell: no overlap, exact counts
         image = Image.open(io.BytesIO(row["image"])).convert("RGB")
@@ -29,7 +28,9 @@ def test_seeded_and_answers_are_the_drawn_counts():
         for t in row["scene"]:  # the centre of each object (a triangle's lower centre) has its colour
             left, top, right, bottom = t.box
             assert image.getpixel(((left + right) // 2, (top + 3 * bottom) // 4)) == COLOURS[t.colour], (t, row["id"])
-    assert {"0", "1"} <= labels  # absent and present objects are both asked about
+    assert set(labels) == {"0", "1", "2", "3"}  # answers drawn uniformly: no blind guess is right much above 1/4
+    assert max(labels.values()) / sum(labels.values()) < 0.35
+    assert {parse_question(r["prompt"]) for r in a["train"]} >= {("red", "circle"), ("red", None), (None, "circle")}  # all three kinds
 
 
 def test_config_checks():
@@ -37,3 +38,5 @@ def test_config_checks():
         ShapesConfig(image_size=20, cells=4)
     with pytest.raises(ValueError, match="max_objects"):
         ShapesConfig(max_objects=17)
+    with pytest.raises(ValueError, match="max_count"):
+        ShapesConfig(max_objects=2, max_count=3)

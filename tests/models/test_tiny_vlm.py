@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf_core.data.shapes import ShapesConfig, generate_shapes
-from rlhf_core.models.tiny import build_tokenizer
+from rlhf_core.models.tiny import TinyModelConfig, build_tokenizer
 from rlhf_core.models.tiny_vlm import TinyVLMConfig, build_vlm
 
 pytestmark = pytest.mark.unit
@@ -18,7 +18,7 @@ def test_tiny_vlm_round_trip_and_forward(tmp_path):
 
     rows = generate_shapes(ShapesConfig(num_train=8, num_eval=1), seed=0)["train"]
     tok = build_tokenizer([r["prompt"] + " " + r["label"] for r in rows] * 5, vocab_size=300)
-    model, processor = build_vlm(TinyVLMConfig(), tok, seed=0)
+    model, processor = build_vlm(TinyVLMConfig(), TinyModelConfig(), tok, seed=0)
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
     model, processor = AutoModelForImageTextToText.from_pretrained(tmp_path).eval(), AutoProcessor.from_pretrained(tmp_path)
