@@ -96,6 +96,15 @@ def open_rgb(ref):
         return img.convert("RGB")
 
 
+def shown_path(path: str) -> str:
+    """A path as artifacts record it: relative to the project (the working directory) when inside
+    it -- no machine paths in manifests and rollouts -- else absolute."""
+    try:
+        return Path(path).relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return Path(path).as_posix()
+
+
 def image_files(rows: list[dict]) -> dict[str, str]:
     """{absolute path: sha256} of every image file the rows reference (bytes are in the data file)."""
     return {ref: digest for r in rows for ref, digest in zip(r.get("images", ()), r.get("image_sha256", ())) if isinstance(ref, str)}

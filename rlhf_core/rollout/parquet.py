@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core import atomic
+from rlhf_core.data.images import shown_path
 from rlhf_core.rollout.batch import RolloutBatch
 
 I64, F32, STR = pa.int64(), pa.float32(), pa.string()
@@ -75,7 +76,7 @@ def records(batch: RolloutBatch, run_id: str, step: int) -> list[dict]:
 def _image_columns(refs: list | None) -> dict:
     if not refs:
         return {"images": None, "image_sha256": None}
-    return {"images": [r if isinstance(r, str) else "<bytes>" for r in refs],
+    return {"images": [shown_path(r) if isinstance(r, str) else "<bytes>" for r in refs],
             "image_sha256": [hashlib.sha256(Path(r).read_bytes() if isinstance(r, str) else r).hexdigest() for r in refs]}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict, restore_secrets
-from rlhf_core.data.images import ImageRules, VisionInputs, image_files
+from rlhf_core.data.images import ImageRules, VisionInputs, image_files, shown_path
 from rlhf_core.data.io import DataError, load_rows, write_jsonl
 from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
@@ -128,12 +128,7 @@ def image_records(rows: list[dict]) -> list[dict]:
     as validated at load), so `rlhf lineage verify` catches a changed picture like a changed row."""
     by_dir: dict[str, dict[str, str]] = {}
     for path, digest in sorted(image_files(rows).items()):
-        p = Path(path)
-        try:
-            parent = p.parent.relative_to(Path.cwd()).as_posix()
-        except ValueError:  # outside the project: the absolute path
-            parent = p.parent.as_posix()
-        by_dir.setdefault(parent, {})[p.name] = digest
+        by_dir.setdefault(shown_path(str(Path(path).parent)), {})[Path(path).name] = digest
     return [{"path": d, "kind": "data", "files": files} for d, files in by_dir.items()]
 
 
