@@ -110,7 +110,8 @@ class HFEngine:
         self.device = actor_device()
         self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval().to(self.device)
         self.eos = self.model.generation_config.eos_token_id
-        self.pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos
+        pad = getattr(self.model.config, "pad_token_id", None)  # a VLM's top-level config may not have one
+        self.pad = pad if pad is not None else self.eos
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],

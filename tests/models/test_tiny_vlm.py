@@ -31,3 +31,33 @@ def test_tiny_vlm_round_trip_and_forward(tmp_path):
         logits = model(**batch).logits
     assert logits.shape[:2] == batch["input_ids"].shape and torch.isfinite(logits).all()
     assert not torch.allclose(logits[0, -1], logits[1, -1])  # the same question, another picture: the image is seen
+
+
+def test_hf_engine_feeds_the_pixels_and_reports_the_trainers_logprobs(tmp_path):
+    """The rollout engine on a VLM: its sampled tokens' log-probs are the teacher-forced ones of the
+    model given the same picture (what the trainer computes), and another picture changes them."""
+    from rlhf_core.algos.losses import token_logprobs
+    from rlhf_core.data.images import VisionInputs
+    from rlhf_core.models.load import load_processor
+    from rlhf_core.rollout.engines import HFEngine
+
+    rows = generate_shapes(ShapesConfig(num_train=8, num_eval=1), seed=0)["train"]
+    tok = build_tokenizer([r["prompt"] + " " + r["label"] for r in rows] * 5, vocab_size=300)
+    model, processor = build_vlm(TinyVLMConfig(), TinyModelConfig(), tok, seed=0)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    engine, vision = HFEngine(str(tmp_path), max_model_len=64, seed=0), VisionInputs(load_processor(str(tmp_path)))
+    refs = [[r["image"]] for r in rows[:2]]  # image bytes work like paths
+    prompt = vision.prompt_ids(rows[0]["prompt"], refs[0])
+    pixels = [vision.pixel_values(r) for r in refs]
+    outs = engine.generate([prompt, prompt], [4, 4], 1.0, [7, 7], pixels=pixels)
+    for out, pix in zip(outs, pixels):
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logits = engine.model(input_ids=ids, pixel_values=pix).logits[:, :-1]
+        expected = token_logprobs(logits, ids[:, 1:])[0, len(prompt) - 1:]
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+    same = engine.generate([prompt], [4], 1.0, [7], pixels=pixels[:1])[0]
+    assert same.token_ids == outs[0].token_ids  # seeded: a pure function of (weights, prompt, picture, seed)
+    other = engine.generate([prompt], [len(same.token_ids)], 1.0, [7], pixels=pixels[1:])[0]
+    assert other.logprobs != same.logprobs  # the picture reaches the model
