@@ -117,6 +117,9 @@ class VisionInputs:
 
     def __init__(self, processor):
         self.processor = processor
+        self.image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        """The placeholder's id: a prompt token only -- the engines never sample it (an image token in
+        a response would have no picture behind it)."""
 
     def prompt_ids(self, prompt: str, refs: list) -> list[int]:
         out = self.processor(text=[prompt], images=[open_rgb(r) for r in refs], return_tensors="pt")

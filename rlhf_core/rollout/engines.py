@@ -110,8 +110,10 @@ class HFEngine:
         self.device = actor_device()
         self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval().to(self.device)
         self.eos = self.model.generation_config.eos_token_id
-        pad = getattr(self.model.config, "pad_token_id", None)  # a VLM's top-level config may not have one
-        self.pad = pad if pad is not None else self.eos
+        # a VLM's image placeholder is never sampled (a response image token would have no picture;
+        # the trainers take it out of their distribution too: rl_step.policy_logits)
+        image_id = getattr(self.model.config, "image_token_index", None)
+        self.suppressed = torch.tensor([image_id], device=self.device) if image_id is not None else None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float, seeds: list[int],
@@ -128,14 +130,17 @@ class HFEngine:
                 first = images if past is None else {}
                 res = self.model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True, **first)
                 past = res.past_key_values
-                logp = torch.log_softmax(res.logits[0, -1].float(), -1)
+                logits = res.logits[0, -1].float()
+                if self.suppressed is not None:
+                    logits = logits.index_fill(-1, self.suppressed, -1e9)
+                logp = torch.log_softmax(logits, -1)
                 if temperature == 0.0:
                     tok = int(logp.argmax())
                 else:
                     tok = int(torch.multinomial(torch.softmax(logp / temperature, -1), 1, generator=gen))
                 tokens.append(tok)
                 # the tempered distribution's log-prob (the one sampled from), as vLLM's processed log-probs
-                tempered = logp if temperature in (0.0, 1.0) else torch.log_softmax(res.logits[0, -1].float() / temperature, -1)
+                tempered = logp if temperature in (0.0, 1.0) else torch.log_softmax(logits / temperature, -1)
                 lps.append(float(tempered[tok]))
                 ids = torch.cat([ids, torch.tensor([[tok]], device=self.device)], 1)
                 if tok == self.eos:

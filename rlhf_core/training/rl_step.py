@@ -82,7 +82,19 @@ class RLCollate:
                    length=torch.tensor([len(t) for t in batch.token_ids]))
         if self.vision is not None and batch.images:
             out["pixel_values"] = self.vision.pixel_values([ref for refs in batch.images for ref in refs])
+        if self.vision is not None:  # the engines never sample it; the trainers' distribution must not have it either
+            out["suppressed_ids"] = torch.tensor([self.vision.image_token_id])
         return out
+
+
+def policy_logits(model, batch) -> torch.Tensor:
+    """`(B, T-1, V)` float32 logits of the next token at every position, with the ids the engines
+    never sample (a VLM's image placeholder: `suppressed_ids`) pushed to -1e9, so the trainers'
+    log-probs are of the very distribution the engine sampled from."""
+    logits = model(**forward_inputs(batch)).logits[:, :-1].float()
+    if batch.get("suppressed_ids") is not None:
+        logits = logits.index_fill(-1, batch["suppressed_ids"], -1e9)  # finite: 0 * log p stays 0 in the entropy
+    return logits
 
 
 def _slices(t: torch.Tensor, batch: dict) -> list[torch.Tensor]:
@@ -98,7 +110,7 @@ def _slices(t: torch.Tensor, batch: dict) -> list[torch.Tensor]:
 def logprobs_fn(model, batch, temperature: float = 1.0) -> list[torch.Tensor]:
     """Each sample's response-token log-probs under `model` at the sampling `temperature` (old /
     reference log-probs): the distribution the engine sampled from, whose log-probs it reports."""
-    logits = model(**forward_inputs(batch)).logits[:, :-1].float()
+    logits = policy_logits(model, batch)
     return _slices(token_logprobs(logits, batch["input_ids"][:, 1:], temperature), batch)
 
 
@@ -135,7 +147,7 @@ class PolicyObjective:
     is_batch_normalize: bool = False
 
     def __call__(self, model, batch, counts):
-        logits = model(**forward_inputs(batch)).logits[:, :-1].float()
+        logits = policy_logits(model, batch)
         if self.temperature != 1.0:
             logits = logits / self.temperature  # once, for the log-probs and the entropy alike
         lp = token_logprobs(logits, batch["input_ids"][:, 1:])

@@ -34,9 +34,11 @@ def test_tiny_vlm_round_trip_and_forward(tmp_path):
 
 
 def test_hf_engine_feeds_the_pixels_and_reports_the_trainers_logprobs(tmp_path):
-    """The rollout engine on a VLM: its sampled tokens' log-probs are the teacher-forced ones of the
-    model given the same picture (what the trainer computes), and another picture changes them."""
+    """The rollout engine on a VLM: its sampled tokens' log-probs are the trainer's teacher-forced
+    ones given the same picture, another picture changes them, and the image placeholder is never
+    sampled (it would have no picture behind it) -- on either side of the log-probs."""
     from rlhf_core.algos.losses import token_logprobs
+    from rlhf_core.training.rl_step import policy_logits
     from rlhf_core.data.images import VisionInputs
     from rlhf_core.models.load import load_processor
     from rlhf_core.rollout.engines import HFEngine
@@ -51,13 +53,25 @@ def test_hf_engine_feeds_the_pixels_and_reports_the_trainers_logprobs(tmp_path):
     prompt = vision.prompt_ids(rows[0]["prompt"], refs[0])
     pixels = [vision.pixel_values(r) for r in refs]
     outs = engine.generate([prompt, prompt], [4, 4], 1.0, [7, 7], pixels=pixels)
+    suppressed = torch.tensor([vision.image_token_id])
     for out, pix in zip(outs, pixels):
         ids = torch.tensor([prompt + out.token_ids])
         with torch.no_grad():
-            logits = engine.model(input_ids=ids, pixel_values=pix).logits[:, :-1]
+            logits = policy_logits(engine.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pix,
+                                                  "suppressed_ids": suppressed})
         expected = token_logprobs(logits, ids[:, 1:])[0, len(prompt) - 1:]
         assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
     same = engine.generate([prompt], [4], 1.0, [7], pixels=pixels[:1])[0]
     assert same.token_ids == outs[0].token_ids  # seeded: a pure function of (weights, prompt, picture, seed)
     other = engine.generate([prompt], [len(same.token_ids)], 1.0, [7], pixels=pixels[1:])[0]
     assert other.logprobs != same.logprobs  # the picture reaches the model
+
+    forward = engine.model.forward  # a model that would rather emit the image placeholder than anything
+
+    def biased(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits[..., vision.image_token_id] += 100.0
+        return out
+    engine.model.forward = biased
+    sampled = engine.generate([prompt] * 4, [4] * 4, 1.0, [1, 2, 3, 4], pixels=pixels[:1] * 4)
+    assert all(vision.image_token_id not in s.token_ids for s in sampled)
