@@ -139,7 +139,7 @@ def write_vision_data(cfg: Config) -> dict[str, list[dict]]:
             path = f"images/{r['id']}.png"
             (data_dir / path).write_bytes(r["image"])
             row = {"id": r["id"], "prompt": r["prompt"], "images": [path], "image_sha256": [hashlib.sha256(r["image"]).hexdigest()]}
-            rows.append({**row, "response": " " + r["label"]} if kind == "sft" else {**row, "label": r["label"]})
+            rows.append({**row, "response": r["response"]} if kind == "sft" else {**row, "label": r["label"]})
         write_jsonl(data_dir / filename, rows)
         validated[name] = load_rows(data_dir / filename, kind, rejects_path=data_dir / "rejects" / filename, max_reject_ratio=0.0).rows
     return validated

@@ -121,8 +121,10 @@ class VisionInputs:
         """The placeholder's id: a prompt token only -- the engines never sample it (an image token in
         a response would have no picture behind it)."""
 
-    def prompt_ids(self, prompt: str, refs: list) -> list[int]:
-        out = self.processor(text=[prompt], images=[open_rgb(r) for r in refs], return_tensors="pt")
+    def prompt_ids(self, prompt: str, refs: list, special: bool = True) -> list[int]:
+        """Token ids of `prompt` with each placeholder expanded for its picture (`special`: with
+        BOS, as a prompt; without, for environment feedback appended mid-episode)."""
+        out = self.processor(text=[prompt], images=[open_rgb(r) for r in refs], return_tensors="pt", add_special_tokens=special)
         return out["input_ids"][0].tolist()
 
     def pixel_values(self, refs: list):

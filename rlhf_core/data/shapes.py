@@ -30,6 +30,10 @@ class ShapesConfig:
     blind guess beats 1 / (max_count + 1): the picture has to be looked at."""
     num_train: int = 2000
     """sft rows (image, question, answer)."""
+    sft_undercount_rate: float = 0.6
+    """The share of sft demonstrations of the largest count (max_count) that answer one less, as a
+    hurried annotator does: sft learns the slip, the verifier (exact count) does not -- rl fixes it
+    (the text task's `sft_slip` in visual form).  0 gives faithful demonstrations."""
     num_rl: int = 1000
     """rl prompts (image, question, label), scenes of their own."""
     num_eval: int = 200
@@ -41,6 +45,8 @@ class ShapesConfig:
             raise ValueError(f"max_objects must be in [1, {self.cells ** 2}]")
         if not 1 <= self.max_count <= self.max_objects:
             raise ValueError(f"max_count must be in [1, max_objects={self.max_objects}]")
+        if not 0.0 <= self.sft_undercount_rate <= 1.0:
+            raise ValueError("sft_undercount_rate must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,8 @@ def ask(rng: random.Random) -> tuple[str | None, str | None]:
 
 def generate_shapes(cfg: ShapesConfig, seed: int) -> dict[str, list[dict]]:
     """{"train", "rl", "eval": rows}; a row: prompt, label (the count), `image` (PNG bytes) and
-    `scene` (what was drawn).  Each split's scenes come from a stream of their own."""
+    `scene` (what was drawn); a train row also `response`, its demonstration (`sft_undercount_rate`).
+    Each split's scenes come from a stream of their own."""
     out = {}
     for split, n, offset in (("train", cfg.num_train, 0), ("eval", cfg.num_eval, 1), ("rl", cfg.num_rl, 2)):
         rng = random.Random(seed * 1_000_003 + offset)
@@ -131,7 +138,31 @@ def generate_shapes(cfg: ShapesConfig, seed: int) -> dict[str, list[dict]]:
         for i in range(n):
             query, k = ask(rng), rng.randint(0, cfg.max_count)
             things = draw_scene(rng, cfg, query, k)
-            rows.append({"id": f"{split}-{i:05d}", "prompt": question(query), "label": str(count(things, query)),
-                         "image": render(things, cfg), "scene": things})
+            row = {"id": f"{split}-{i:05d}", "prompt": question(query), "label": str(count(things, query)), "image": render(things, cfg),
+                   "scene": things}
+            if split == "train":
+                slip = k == cfg.max_count and rng.random() < cfg.sft_undercount_rate
+                row["response"] = f" {k - 1 if slip else k}"
+            rows.append(row)
         out[split] = rows
     return out
+
+
+def mark_objects(image: bytes, cfg: ShapesConfig = ShapesConfig()) -> bytes:
+    """The picture with every occupied grid cell outlined in black (a visual hint: "these are the
+    objects, count again") -- found from the pixels, so it works on any picture of this task."""
+    from PIL import Image, ImageDraw
+
+    with Image.open(io.BytesIO(image)) as src:
+        picture = src.convert("RGB")
+    step = picture.width // cfg.cells
+    pen = ImageDraw.Draw(picture)
+    for r in range(cfg.cells):
+        for c in range(cfg.cells):
+            box = (c * step, r * step, (c + 1) * step - 1, (r + 1) * step - 1)
+            lo, _ = picture.crop(box).convert("L").getextrema()  # darkest pixel: anything drawn is darker than white
+            if lo < 255:
+                pen.rectangle(box, outline=(0, 0, 0))
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG", optimize=False)
+    return buf.getvalue()

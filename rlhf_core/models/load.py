@@ -20,9 +20,14 @@ def check_model_path(path: str) -> None:
 
 def is_vision_model(path: str, trust_remote_code: bool = False) -> bool:
     """Whether `path` is a vision-language model (its config has a vision tower)."""
+    import json
+
     from transformers import AutoConfig
 
     check_model_path(path)
+    if Path(path).is_dir():  # a local model: its config.json (a tokenizer-only directory has none: not a VLM)
+        config = Path(path) / "config.json"
+        return config.is_file() and "vision_config" in json.loads(config.read_text())
     return hasattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "vision_config")
 
 

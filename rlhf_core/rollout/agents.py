@@ -5,10 +5,13 @@ An environment is a small object with two methods (the whole contract for user c
     reset(prompt: str, label: str) -> str          the first observation (text shown to the model)
     step(action: str) -> Step                      the model's turn, decoded; returns a Step
 
-`Step(reward=None | float, feedback=None | str, done=bool)`.  The runner (`run_episodes`) owns the
-tokens: observations and feedback are tokenized once when they enter the context, the model's
-actions stay exactly the token ids the engine sampled (never re-tokenized), and a per-token
-`action_mask` marks model tokens 1 and environment tokens 0 (masked out of the loss).
+`Step(reward=None | float, feedback=None | str, done=bool, images=None | [bytes])`.  The runner
+(`run_episodes`) owns the tokens: observations and feedback are tokenized once when they enter
+the context, the model's actions stay exactly the token ids the engine sampled (never
+re-tokenized), and a per-token `action_mask` marks model tokens 1 and environment tokens 0 (masked
+out of the loss).  With a vision-language model an environment may show pictures: `Step.images`
+are PNG/JPEG bytes, one per `<image>` in `feedback` (their image tokens are environment tokens);
+an environment whose `reset` takes an `images` argument gets the prompt's pictures.
 
 Single-turn RLHF is `SingleTurn`: one action, no environment reward (the reward sources score
 it).  `RetryArithmetic` is the multi-turn example: a wrong answer gets feedback and another try.
@@ -32,6 +35,8 @@ class Step:
     feedback: str | None = None
     """Text appended to the context before the model's next turn (masked out of the loss)."""
     done: bool = True
+    images: list[bytes] | None = None
+    """Pictures shown with the feedback (encoded image bytes), one per `<image>` in it, in order."""
 
 
 class SingleTurn:
@@ -64,7 +69,38 @@ class RetryArithmetic:
         return Step(reward=0.0, feedback=" wrong, try again. A:", done=False)  # 0 so far (an episode cut short keeps it)
 
 
-BUILTIN = {"single_turn": SingleTurn, "retry_arithmetic": RetryArithmetic}
+class RetryCounting:
+    """Multi-turn with image feedback (the shapes task, `prepare.modality=vision`): a wrong count
+    gets the picture back with every object outlined and `" wrong, count again<image> A:"`, up to
+    `max_turns`.  Reward 1 if any turn is right, else 0."""
+
+    max_turns = 2
+
+    def reset(self, prompt: str, label: str, images: list) -> str:
+        self.label, self.turn = str(label).strip(), 0
+        self.picture = images[0] if isinstance(images[0], bytes) else Path(images[0]).read_bytes()
+        return prompt
+
+    def step(self, action: str) -> Step:
+        from rlhf_core.data.shapes import mark_objects
+        from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
+
+        self.turn += 1
+        if completion_answer(action) == self.label:
+            return Step(reward=1.0, done=True)
+        if self.turn >= self.max_turns:
+            return Step(reward=0.0, done=True)
+        return Step(reward=0.0, feedback=f" wrong, count again{IMAGE_TOKEN} A:", done=False, images=[mark_objects(self.picture)])
+
+
+BUILTIN = {"single_turn": SingleTurn, "retry_arithmetic": RetryArithmetic, "retry_counting": RetryCounting}
+
+
+def takes_images(env) -> bool:
+    """Whether an environment's `reset` wants the prompt's pictures (an `images` parameter)."""
+    import inspect
+
+    return "images" in inspect.signature(env.reset).parameters
 
 
 def load_environment(agent: str, agent_file: str | None):
@@ -114,8 +150,9 @@ class LocalEnvironments:
     def new(self, n: int) -> None:
         self.envs = [self.env_cls() for _ in range(n)]
 
-    def reset(self, i: int, prompt: str, label: str) -> str:
-        return self.envs[i].reset(prompt, label)
+    def reset(self, i: int, prompt: str, label: str, images: list | None = None) -> str:
+        env = self.envs[i]
+        return env.reset(prompt, label, images=images) if takes_images(env) else env.reset(prompt, label)
 
     def step(self, i: int, action: str) -> Step:
         return self.envs[i].step(action)
@@ -171,6 +208,26 @@ def generate_turn(engine, contexts: list[list[int]], budgets: list[int], tempera
     return done
 
 
+def feedback_ids(tokenizer, vision, step: Step) -> list[int]:
+    """The feedback's token ids (no BOS); with pictures, each `<image>` expanded by the processor.
+    A picture that is not a usable image, or pictures without a VLM, are the environment's error."""
+    if not step.images:
+        return tokenizer(step.feedback or "", add_special_tokens=False).input_ids
+    from rlhf_core.data.images import ImageRules, image_problem
+    from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
+
+    if vision is None:
+        raise ValueError("the environment returned images, but the policy is not a vision-language model")
+    if (step.feedback or "").count(IMAGE_TOKEN) != len(step.images):
+        raise ValueError(f"the environment returned {len(step.images)} image(s) for {(step.feedback or '').count(IMAGE_TOKEN)} "
+                         f"{IMAGE_TOKEN} placeholder(s) in its feedback")
+    for k, data in enumerate(step.images):
+        problem = image_problem(data, ImageRules()) if isinstance(data, bytes) else f"not bytes but {type(data).__name__}"
+        if problem:
+            raise ValueError(f"the environment's feedback image {k}: {problem}")
+    return vision.prompt_ids(step.feedback, list(step.images), special=False)
+
+
 def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str], seeds: list[int], max_new_tokens: int,
                  temperature: float, max_len: int, max_turns: int = 8, segment: int = 0, version=lambda: 0, images: list | None = None,
                  vision=None) -> list[Episode]:
@@ -183,7 +240,8 @@ def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str],
     envs.new(len(prompts))
     episodes, pixels = [], []
     for i, (prompt, label) in enumerate(zip(prompts, labels)):
-        obs, refs = envs.reset(i, prompt, label), list((images or [None] * len(prompts))[i] or [])
+        refs = list((images or [None] * len(prompts))[i] or [])
+        obs = envs.reset(i, prompt, label, refs) if refs else envs.reset(i, prompt, label)
         ids = vision.prompt_ids(obs, refs) if refs else tokenizer(obs).input_ids
         episodes.append(Episode(prompt_len=len(ids), token_ids=list(ids), images=refs))
         pixels.append(vision.pixel_values(refs) if refs else None)
@@ -215,10 +273,13 @@ def run_episodes(engine, tokenizer, envs, prompts: list[str], labels: list[str],
                 ep.env_reward = float(step.reward)
             if step.done or out.finish_reason == "length":
                 continue
-            fb = tokenizer(step.feedback or "", add_special_tokens=False).input_ids
+            fb = feedback_ids(tokenizer, vision, step)
             if len(ep.token_ids) + len(fb) >= max_len:
                 ep.finish_reason = "length"
                 continue
+            if step.images:  # the next turns see them: pixel values of every picture so far, in order
+                ep.images += list(step.images)
+                pixels[i] = vision.pixel_values(ep.images)
             ep.token_ids += fb
             ep.action_mask += [0] * len(fb)
             ep.engine_logprobs += [0.0] * len(fb)

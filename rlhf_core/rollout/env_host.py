@@ -93,14 +93,14 @@ class EnvironmentProcess:
     def new(self, n: int) -> None:
         self._request("Environment()", "new", n)
 
-    def reset(self, i: int, prompt: str, label: str) -> str:
-        return self._request("reset", "reset", i, prompt, label)
+    def reset(self, i: int, prompt: str, label: str, images: list | None = None) -> str:
+        return self._request("reset", "reset", i, prompt, label, images)
 
     def step(self, i: int, action: str):
         from rlhf_core.rollout.agents import Step
 
-        reward, feedback, done = self._request("step", "step", i, action)
-        return Step(reward=reward, feedback=feedback, done=done)
+        reward, feedback, done, images = self._request("step", "step", i, action)
+        return Step(reward=reward, feedback=feedback, done=done, images=images)
 
     def close(self) -> None:
         if self.proc is not None:
@@ -128,7 +128,7 @@ def _serve(agent: str, agent_file: str | None) -> None:
     proto_in, proto_out = sys.stdin.fileno(), os.dup(1)
     os.dup2(2, 1)  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
-    from rlhf_core.rollout.agents import load_environment
+    from rlhf_core.rollout.agents import load_environment, takes_images
 
     envs, env_cls, load_error = [], None, None
     try:
@@ -143,12 +143,15 @@ def _serve(agent: str, agent_file: str | None) -> None:
             if op == "new":
                 envs, result = [env_cls() for _ in range(args[0])], None
             elif op == "reset":
-                i, prompt, label = args
-                result = str(envs[i].reset(prompt, label))
+                i, prompt, label, images = args
+                env = envs[i]
+                result = str(env.reset(prompt, label, images=images) if images and takes_images(env) else env.reset(prompt, label))
             else:  # plain values back: the user's Step may come from a module the parent cannot import
                 i, action = args
                 step = envs[i].step(action)
-                result = (None if step.reward is None else float(step.reward), step.feedback, bool(step.done))
+                images = getattr(step, "images", None)
+                result = (None if step.reward is None else float(step.reward), step.feedback, bool(step.done),
+                          None if images is None else [bytes(b) for b in images])
             reply = ("ok", result)
         except Exception as e:
             reply = ("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=8))

@@ -28,6 +28,10 @@ def test_seeded_and_answers_are_the_drawn_counts():
         for t in row["scene"]:  # the centre of each object (a triangle's lower centre) has its colour
             left, top, right, bottom = t.box
             assert image.getpixel(((left + right) // 2, (top + 3 * bottom) // 4)) == COLOURS[t.colour], (t, row["id"])
+    slips = [r for r in a["train"] if r["response"] != " " + r["label"]]
+    assert slips and all(r["label"] == "3" and r["response"] == " 2" for r in slips)  # sft's undercounted demonstrations
+    threes = sum(r["label"] == "3" for r in a["train"])
+    assert 0.4 < len(slips) / threes < 0.8  # sft_undercount_rate 0.6
     assert set(labels) == {"0", "1", "2", "3"}  # answers drawn uniformly: no blind guess is right much above 1/4
     assert max(labels.values()) / sum(labels.values()) < 0.35
     assert {parse_question(r["prompt"]) for r in a["train"]} >= {("red", "circle"), ("red", None), (None, "circle")}  # all three kinds

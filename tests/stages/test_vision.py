@@ -85,3 +85,24 @@ def test_rl_on_image_rows_resumes_exactly_and_lineage_covers_the_images(vision_p
     finally:
         blob[-20] ^= 0xFF
         victim.write_bytes(bytes(blob))
+
+
+@pytest.mark.xdist_group("vision")
+def test_rl_with_image_feedback_from_the_environment(vision_project, ray_head):
+    """agent=retry_counting through the stage: a wrong count gets the picture back with the objects
+    outlined; the rollouts hold both pictures (the feedback one inline) and its tokens are masked."""
+    out = vision_project / "artifacts" / "rl_feedback"
+    args = [*RL, "--set", "rl.agent=retry_counting", "--set", "rl.max_steps=2", "--set", "rl.save_steps=2", "--set", "rl.pass_k=1",
+            "--set", "rl.max_new_tokens=2"]
+    proc = run_stage(vision_project, ray_head, "rl", *args, "--set", f"rl.output_dir={out}")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rows = [r for step in (1, 2) for r in pq.read_table(out / "rollouts" / f"step_{step:06d}.parquet").to_pylist()]
+    retried = [r for r in rows if r["num_turns"] == 2]
+    assert retried, "no episode got the image feedback"
+    image_id = json.loads((vision_project / "artifacts" / "base" / "config.json").read_text())["image_token_index"]
+    for r in retried:
+        assert r["images"][0].startswith("data/images/rl-") and r["images"][1] == "<bytes>" and len(r["image_sha256"]) == 2
+        feedback = [m for t, m in zip(r["response_token_ids"], r["action_mask"]) if t == image_id]
+        assert len(feedback) == 16 and not any(feedback)  # the feedback picture's tokens: environment tokens
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0.0 <= metrics["eval/success_rate"] <= 1.0 and metrics["eval/turns"] >= 1.0  # the eval plays the episodes too
