@@ -16,7 +16,7 @@ from typing import Literal
 from rlhf_core import atomic
 from rlhf_core.algos.losses import dpo_loss, kto_loss, token_logprobs
 from rlhf_core.data.io import write_jsonl
-from rlhf_core.data.tokenize import prompt_response
+from rlhf_core.data.tokenize import forward_inputs, prompt_response
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
@@ -63,7 +63,7 @@ class Config(TrainConfig):
 
 def sequence_logps(model, batch):
     """Summed response log-probs and response lengths, `(2B,)` each: chosen first, then rejected."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logits = model(**forward_inputs(batch)).logits[:, :-1]
     logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
     mask = batch["loss_mask"][:, 1:].to(logprobs.dtype)
     return (logprobs * mask).sum(-1), mask.sum(-1)
@@ -116,17 +116,20 @@ def load_unpaired(cfg: Config, tokenizer, fmt, rejects_dir: Path) -> list[dict]:
 
 
 def build_spec(cfg: Config, out_dir: Path):
-    tokenizer = common.load_tokenizer(cfg)
-    fmt = common.prompt_formatter(tokenizer, False)
+    tokenizer, vision = common.load_tokenizer(cfg), common.load_vision(cfg)
+    fmt = common.prompt_formatter(tokenizer, False, vision)
     kto = cfg.loss_type == "kto"
+    if kto and vision is not None:
+        raise ValueError("dpo.loss_type=kto on a vision-language model is not supported yet (the pair losses are)")
     pairs = load_unpaired(cfg, tokenizer, fmt, out_dir / "rejects") if kto else common.load_pairs(cfg.train_data, cfg, tokenizer, fmt,
                                                                                                   out_dir / "rejects", "train")
     eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [fmt(r) for r in eval_rows]
     held_out = (common.load_pairs(cfg.eval_pairs, cfg, tokenizer, fmt, out_dir / "rejects", "eval_pairs")
                 if cfg.eval_pairs and Path(cfg.eval_pairs).exists() else [])
-    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected") + (("desirable",) if kto else ()))
-    plain = common.CollatePairs(tokenizer.pad_token_id)
+    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected") + (("desirable",) if kto else ()), vision=vision)
+    plain = common.CollatePairs(tokenizer.pad_token_id, vision=vision)
+    pixels = common.eval_pixels(vision, eval_rows)
     fingerprint = common.data_fingerprint(cfg)
     cache = out_dir / "checkpoints" / "reference_logps.json"
 
@@ -158,19 +161,19 @@ def build_spec(cfg: Config, out_dir: Path):
         return rows, {"eval/rewards_accuracy": sum(m > 0 for m in margins) / len(rows), "eval/rewards_margin": sum(margins) / len(rows)}
 
     def evaluate(group) -> dict:
-        return common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg)
+        return common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg, pixels)
 
     spec = StageSpec(name="dpo", model_path=cfg.model_path, model_kind="causal_lm", examples=pairs, collate=collate,
                      loss_fn=partial(loss_fn, beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, nll_coef=cfg.nll_coef,
                                      desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight),
                      counts=common.count_pairs, evaluate=evaluate, data_fingerprint=fingerprint,
-                     pad_token_id=tokenizer.pad_token_id, before_train=compute_reference)
-    return spec, tokenizer, held_out_rewards
+                     pad_token_id=tokenizer.pad_token_id, before_train=compute_reference, lineage=common.image_records(pairs))
+    return spec, (vision.processor if vision else tokenizer), held_out_rewards  # a VLM's model/ gets its processor
 
 
 def run(cfg: Config) -> dict:
     out_dir = Path(cfg.output_dir)
-    spec, tokenizer, held_out_rewards = build_spec(cfg, out_dir)
+    spec, saver, held_out_rewards = build_spec(cfg, out_dir)
     group, metrics = train(spec, cfg, out_dir)
     # the last step's preference statistics (implicit rewards beta * (pi - ref))
     last = json.loads((out_dir / "train_history.jsonl").read_text().splitlines()[-1])
@@ -179,8 +182,8 @@ def run(cfg: Config) -> dict:
     metrics.update(held_out_metrics)
     if rows:
         write_jsonl(out_dir / "eval_pair_rewards.jsonl", rows, ensure_ascii=True)
-    save_final_model(group, out_dir, tokenizer, common.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
-    common.finish(out_dir, "dpo", cfg, metrics, extra_inputs=(cfg.eval_pairs,) if rows else ())
+    save_final_model(group, out_dir, saver, common.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
+    common.finish(out_dir, "dpo", cfg, metrics, extra_inputs=(cfg.eval_pairs,) if rows else (), records=spec.lineage)
     return metrics
 
 

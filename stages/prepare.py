@@ -122,7 +122,20 @@ def build_base(cfg: Config, splits: dict[str, list[dict]]) -> dict:
     return metrics
 
 
-VISION_SPLITS = {"sft": ("sft.jsonl", "sft", "train"), "rl": ("rl.jsonl", "rl", "rl"), "eval": ("eval.jsonl", "rl", "eval")}
+VISION_SPLITS = {"sft": ("sft.jsonl", "sft", "train"), "pref": ("prefs.jsonl", "pref", "train"), "rl": ("rl.jsonl", "rl", "rl"),
+                 "eval": ("eval.jsonl", "rl", "eval")}
+
+
+def vision_row(r: dict, kind: str, row: dict, max_count: int) -> dict:
+    """The split's columns: sft the demonstration, pref the true count over a near miss (one more,
+    or one less at the largest count -- what a miscount looks like), rl/eval the label."""
+    if kind == "sft":
+        return {**row, "response": r["response"]}
+    if kind == "pref":
+        k = int(r["label"])
+        miss = k + 1 if k < max_count else k - 1
+        return {**row, "chosen": f" {k}", "rejected": f" {miss}"}
+    return {**row, "label": r["label"]}
 
 
 def write_vision_data(cfg: Config) -> dict[str, list[dict]]:
@@ -139,7 +152,7 @@ def write_vision_data(cfg: Config) -> dict[str, list[dict]]:
             path = f"images/{r['id']}.png"
             (data_dir / path).write_bytes(r["image"])
             row = {"id": r["id"], "prompt": r["prompt"], "images": [path], "image_sha256": [hashlib.sha256(r["image"]).hexdigest()]}
-            rows.append({**row, "response": r["response"]} if kind == "sft" else {**row, "label": r["label"]})
+            rows.append(vision_row(r, kind, row, cfg.shapes.max_count))
         write_jsonl(data_dir / filename, rows)
         validated[name] = load_rows(data_dir / filename, kind, rejects_path=data_dir / "rejects" / filename, max_reject_ratio=0.0).rows
     return validated

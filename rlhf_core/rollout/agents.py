@@ -76,7 +76,10 @@ class RetryCounting:
 
     max_turns = 2
 
-    def reset(self, prompt: str, label: str, images: list) -> str:
+    def reset(self, prompt: str, label: str, images: list | None = None) -> str:
+        if not images:
+            raise ValueError("agent retry_counting needs image rows (its feedback is the prompt's picture, marked): "
+                             "`rlhf prepare --set prepare.modality=vision` data and a vision-language model")
         self.label, self.turn = str(label).strip(), 0
         self.picture = images[0] if isinstance(images[0], bytes) else Path(images[0]).read_bytes()
         return prompt

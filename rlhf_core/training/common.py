@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import current_run_ids, hash_tree, input_record, write_manifest
 from rlhf_core.config import config_hash, config_to_dict, from_dict, restore_secrets
-from rlhf_core.data.images import ImageRules, VisionInputs, image_files, shown_path
+from rlhf_core.data.images import ImageRules, VisionInputs, image_files, shown_path, with_images
 from rlhf_core.data.io import DataError, load_rows, write_jsonl
 from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_response, tokenize_rows
 from rlhf_core.evaluation import exact_match_accuracy
@@ -202,15 +202,19 @@ def tokenize_pair(tokenizer, prompt: list[int], row: dict, max_len: int) -> dict
 
 class CollatePairs:
     """Pairs -> one padded batch: the B chosen sequences, then the B rejected ones.  Extra
-    per-pair float fields (e.g. reference log-probs) become `(B,)` tensors."""
+    per-pair float fields (e.g. reference log-probs) become `(B,)` tensors; with `vision`, the
+    pairs' pictures as `pixel_values` in the same layout (a pair's picture twice)."""
 
-    def __init__(self, pad_id: int, extra: tuple[str, ...] = ()):
-        self.pad_id, self.extra = pad_id, extra
+    def __init__(self, pad_id: int, extra: tuple[str, ...] = (), vision: VisionInputs | None = None):
+        self.pad_id, self.extra, self.vision = pad_id, extra, vision
 
     def __call__(self, pairs: list[dict]) -> dict:
         import torch
 
         batch = pad_batch([p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], self.pad_id)
+        if self.vision is not None:
+            refs = [ref for p in pairs for ref in p.get("images", ())]
+            batch["pixel_values"] = self.vision.pixel_values(refs + refs)
         for key in self.extra:
             batch[key] = torch.tensor([p[key] for p in pairs], dtype=torch.float32)
         return batch
@@ -221,9 +225,10 @@ def count_pairs(batch: list[dict]) -> dict:
 
 
 def load_pairs(path: str, cfg: TrainConfig, tokenizer, fmt, rejects_dir: Path, name: str) -> list[dict]:
-    """Validated, tokenized preference pairs; over-long ones are rejected and counted."""
+    """Validated, tokenized preference pairs (with their rows' image references); over-long ones
+    are rejected and counted."""
     rows = load_data(path, "pref", cfg, rejects_dir / f"{name}.jsonl")
-    pairs, too_long = tokenize_rows(rows, lambda r: tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), cfg.max_len)
+    pairs, too_long = tokenize_rows(rows, lambda r: with_images(tokenize_pair(tokenizer, fmt(r), r, cfg.max_len), r), cfg.max_len)
     check_too_long(too_long, len(rows), cfg, rejects_dir / f"{name}_too_long.jsonl")
     return pairs
 
