@@ -133,6 +133,13 @@ class VisionInputs:
             return None
         return self.processor.image_processor([open_rgb(r) for r in refs], return_tensors="pt")["pixel_values"]
 
+    def per_prompt(self, images: list) -> list | None:
+        """Per prompt its pictures' pixel values (None for a prompt without), or None when no
+        prompt has any: the engines' and the eval generation's `pixels` argument."""
+        if not any(images):
+            return None
+        return [self.pixel_values(refs or []) for refs in images]
+
 
 def with_images(example: dict, row: dict) -> dict:
     """`example` carrying its row's image references and hashes (the collate turns the references

@@ -52,7 +52,7 @@ class SingleTurn:
 class RetryArithmetic:
     """Multi-turn example: answer the question; a wrong answer gets the feedback
     `" wrong, try again. A:"` and another turn, up to `max_turns`.  Reward 1 if any turn is right
-    (the episode's success), else 0."""
+    (the episode's success), else 0.  Subclasses change only `retry()`, the wrong answer's feedback."""
 
     max_turns = 3
 
@@ -66,10 +66,13 @@ class RetryArithmetic:
             return Step(reward=1.0, done=True)
         if self.turn >= self.max_turns:
             return Step(reward=0.0, done=True)
-        return Step(reward=0.0, feedback=" wrong, try again. A:", done=False)  # 0 so far (an episode cut short keeps it)
+        return self.retry()  # reward 0 so far (an episode cut short keeps it)
+
+    def retry(self) -> Step:
+        return Step(reward=0.0, feedback=" wrong, try again. A:", done=False)
 
 
-class RetryCounting:
+class RetryCounting(RetryArithmetic):
     """Multi-turn with image feedback (the shapes task, `prepare.modality=vision`): a wrong count
     gets the picture back with every object outlined and `" wrong, count again<image> A:"`, up to
     `max_turns`.  Reward 1 if any turn is right, else 0."""
@@ -80,19 +83,13 @@ class RetryCounting:
         if not images:
             raise ValueError("agent retry_counting needs image rows (its feedback is the prompt's picture, marked): "
                              "`rlhf prepare --set prepare.modality=vision` data and a vision-language model")
-        self.label, self.turn = str(label).strip(), 0
         self.picture = images[0] if isinstance(images[0], bytes) else Path(images[0]).read_bytes()
-        return prompt
+        return super().reset(prompt, label)
 
-    def step(self, action: str) -> Step:
+    def retry(self) -> Step:
         from rlhf_core.data.shapes import mark_objects
         from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
 
-        self.turn += 1
-        if completion_answer(action) == self.label:
-            return Step(reward=1.0, done=True)
-        if self.turn >= self.max_turns:
-            return Step(reward=0.0, done=True)
         return Step(reward=0.0, feedback=f" wrong, count again{IMAGE_TOKEN} A:", done=False, images=[mark_objects(self.picture)])
 
 

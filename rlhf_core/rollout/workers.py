@@ -83,9 +83,8 @@ class RolloutWorker(PeakMemory):
 
     def _pixels(self, images: list | None) -> dict:
         """The engine's `pixels` argument for per-prompt image references (none: no argument)."""
-        if not images or not any(images):
-            return {}
-        return {"pixels": [self.vision.pixel_values(refs) if refs else None for refs in images]}
+        pixels = self.vision.per_prompt(images) if images else None
+        return {"pixels": pixels} if pixels else {}
 
     def greedy(self, prompt_ids: list[list[int]], max_new_tokens: int, images: list | None = None) -> list[list[int]]:
         with self.lock:

@@ -94,9 +94,7 @@ class Collate:
 
 def eval_pixels(vision: VisionInputs | None, rows: list[dict]) -> list | None:
     """Per eval row its images' pixel values (None for a row without), for `eval_accuracy`."""
-    if vision is None or not any(r.get("images") for r in rows):
-        return None
-    return [vision.pixel_values(r.get("images") or []) for r in rows]
+    return None if vision is None else vision.per_prompt([r.get("images") for r in rows])
 
 
 def eval_accuracy(group, tokenizer, prompts: list[list[int]], labels: list[str], cfg: TrainConfig, pixels: list | None = None) -> dict:

@@ -11,6 +11,8 @@ import torch
 from conftest import rlhf, run_stage
 from safetensors.torch import load_file
 
+from rlhf_core.rollout.agents import RetryCounting
+
 pytestmark = pytest.mark.integration
 
 VISION = ["--set", "prepare.modality=vision", "--set", "prepare.shapes.num_train=256", "--set", "prepare.shapes.num_rl=64",
@@ -105,7 +107,8 @@ def test_rl_with_image_feedback_from_the_environment(vision_project, ray_head):
         feedback = [m for t, m in zip(r["response_token_ids"], r["action_mask"]) if t == image_id]
         assert len(feedback) == 16 and not any(feedback)  # the feedback picture's tokens: environment tokens
     metrics = json.loads((out / "metrics.json").read_text())
-    assert 0.0 <= metrics["eval/success_rate"] <= 1.0 and metrics["eval/turns"] >= 1.0  # the eval plays the episodes too
+    assert "eval/success_rate" in metrics  # the eval plays the episodes too
+    assert 1.0 <= metrics["eval/turns"] <= RetryCounting.max_turns
 
 
 @pytest.mark.xdist_group("vision")
