@@ -71,6 +71,10 @@ class Config(TrainConfig):
     mini-batches), kl_mode=reward or mode=async (samples of older policies).  Skipped (on-policy, one update: the TRL and verl shortcut),
     the loss takes the policy's log-probs, detached, as the old ones (ratio 1, the same gradient),
     the rollouts' `old_logprobs` column is null and the KL statistic reads the engine's log-probs."""
+    shared_prefix: bool = True
+    """Trainer forwards (reference, old log-probs, critic, update) compute a prompt once for all
+    its samples (`rlhf_core.training.shared_prefix`): the same log-probs and gradients, ~2.2x
+    fewer tokens on the default task.  Text models only; off: one padded row per sample."""
     max_new_tokens: int = 8
     temperature: float = 1.0
     """Sampling temperature of the rollouts; the trainer's, the reference's and the engine's
@@ -651,7 +655,7 @@ class Objective:
     def of(cls, cfg: Config, pad_id: int, vision=None) -> "Objective":
         policy, critic = make_losses(cfg)
         kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
-        return cls(policy, critic, kl, rl_step.RLCollate(pad_id, vision=vision))
+        return cls(policy, critic, kl, rl_step.RLCollate(pad_id, vision=vision, shared_prefix=cfg.shared_prefix))
 
 
 def train_on(roles: Roles, cfg: Config, obj: Objective, kept: RolloutBatch, step: int, times: dict) -> tuple[RolloutBatch, dict, bool]:

@@ -30,7 +30,11 @@ from rlhf_core.algos.losses import (
 from rlhf_core.algos.shaping import kl_shaped_rewards
 from rlhf_core.data.tokenize import forward_inputs
 from rlhf_core.rollout.batch import RolloutBatch
+from rlhf_core.training.shared_prefix import model_logits, pack_rows
 
+# a packed row's longest length (tokens): a prompt's samples beyond it go into another row, so the
+# (rows, 1, L, L) attention mask stays small for long responses
+PACK_MAX_LEN = 4096
 # the per-token columns the trainers read
 TRAIN_COLUMNS = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
 
@@ -61,10 +65,13 @@ def compute_advantages(batch: RolloutBatch, algo: str, *, kl_coef: float, kl_in_
 
 class RLCollate:
     """A RolloutBatch -> padded tensors for the workers (see the module doc for the alignment);
-    with `vision` (a VLM), also the `pixel_values` of the samples' images."""
+    with `vision` (a VLM), also the `pixel_values` of the samples' images.  With `shared_prefix`
+    (`rl.shared_prefix`, text models) the batch also carries the packed forward inputs in which a
+    prompt's samples share one copy of it (`shared_prefix.pack_rows`), when that saves tokens."""
 
-    def __init__(self, pad_id: int, keys: tuple[str, ...] = TRAIN_COLUMNS, vision=None):
+    def __init__(self, pad_id: int, keys: tuple[str, ...] = TRAIN_COLUMNS, vision=None, shared_prefix: bool = False):
         self.pad_id, self.keys, self.vision = pad_id, keys, vision
+        self.shared_prefix = shared_prefix and vision is None  # a VLM's pixels follow the unpacked ids
 
     def __call__(self, batch: RolloutBatch) -> dict:
         T = max(len(t) for t in batch.token_ids)
@@ -80,6 +87,8 @@ class RLCollate:
                 out[k][i, p - 1 : n - 1] = getattr(batch, k)[i, : n - p]
         out.update(input_ids=ids, attention_mask=attn, prompt_len=torch.tensor(batch.prompt_len),
                    length=torch.tensor([len(t) for t in batch.token_ids]))
+        if self.shared_prefix:
+            out.update(pack_rows(batch.token_ids, batch.prompt_len, self.pad_id, PACK_MAX_LEN) or {})
         if self.vision is not None and batch.images:
             out["pixel_values"] = self.vision.pixel_values([ref for refs in batch.images for ref in refs])
         if self.vision is not None:  # the engines never sample it; the trainers' distribution must not have it either
@@ -91,7 +100,7 @@ def policy_logits(model, batch) -> torch.Tensor:
     """`(B, T-1, V)` float32 logits of the next token at every position, with the ids the engines
     never sample (a VLM's image placeholder: `suppressed_ids`) pushed to -1e9, so the trainers'
     log-probs are of the very distribution the engine sampled from."""
-    logits = model(**forward_inputs(batch)).logits[:, :-1].float()
+    logits = model_logits(model, batch, forward_inputs(batch)).float()
     if batch.get("suppressed_ids") is not None:
         logits = logits.index_fill(-1, batch["suppressed_ids"], -1e9)  # finite: 0 * log p stays 0 in the entropy
     return logits
@@ -116,7 +125,7 @@ def logprobs_fn(model, batch, temperature: float = 1.0) -> list[torch.Tensor]:
 
 def values_fn(model, batch) -> list[torch.Tensor]:
     """Critic values V(s_t) before each response token (token-classification head, 1 label)."""
-    values = model(**forward_inputs(batch)).logits[:, :-1, 0].float()
+    values = model_logits(model, batch, forward_inputs(batch))[..., 0].float()
     return _slices(values, batch)
 
 
@@ -189,7 +198,7 @@ class CriticObjective:
     norm_len: int
 
     def __call__(self, model, batch, counts):
-        values = model(**forward_inputs(batch)).logits[:, :-1, 0].float()
+        values = model_logits(model, batch, forward_inputs(batch))[..., 0].float()
         return value_loss(values, batch["old_values"], batch["returns"], batch["action_mask"], clip=self.value_clip, agg_mode=self.agg_mode,
                           num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], norm_len=self.norm_len)
 

@@ -1,0 +1,93 @@
+"""Shared-prompt packing (rl.shared_prefix): the layout, and that a packed forward gives the
+unpacked log-probs, values, loss and gradients on a real (tiny) Qwen3."""
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_batch
+
+from rlhf_core.training import rl_step
+from rlhf_core.training.shared_prefix import pack_rows, segment_mask
+
+pytestmark = pytest.mark.unit
+
+
+def test_pack_rows_layout():
+    # two samples of prompt [5, 6, 7], one of prompt [5, 8]
+    ids = [[5, 6, 7, 1, 2], [5, 6, 7, 3], [5, 8, 4, 4]]
+    out = pack_rows(ids, [3, 3, 2], pad_id=0, max_len=64)
+    assert out["pack_input_ids"].tolist() == [[5, 6, 7, 1, 2, 7, 3], [5, 8, 4, 4, 0, 0, 0]]
+    assert out["pack_position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3], [0, 1, 2, 3, 0, 0, 0]]
+    # (sample, unpacked logits position) <- packed flat position: row 0 at 2, 3 (sample 0), 5 (sample 1); row 1 at 1, 2
+    assert out["pack_target"].tolist() == [[0, 2], [0, 3], [1, 2], [2, 1], [2, 2]]
+    assert out["pack_index"].tolist() == [2, 3, 5, 7 + 1, 7 + 2]
+    mask = out["pack_mask"][0, 0].int().tolist()
+    assert mask[5] == [1, 1, 0, 0, 0, 1, 0]  # sample 1's P[-1] copy sees the shared prompt and itself, not sample 0
+    assert mask[4] == [1, 1, 1, 1, 1, 0, 0]
+    assert out["pack_mask"][1, 0, 5].int().tolist() == [0, 0, 0, 0, 0, 1, 0]  # padding sees itself only
+
+
+def test_pack_rows_none_without_a_shared_prompt_and_split_beyond_max_len():
+    assert pack_rows([[1, 2, 3], [1, 4, 3]], [2, 2], pad_id=0, max_len=64) is None
+    ids = [[1, 2, 3, 4]] * 4  # shared 1 token + 3 per segment
+    out = pack_rows(ids, [2] * 4, pad_id=0, max_len=7)
+    assert out["pack_input_ids"].tolist() == [[1, 2, 3, 4, 2, 3, 4]] * 2
+    assert segment_mask(torch.tensor([[0, 1, 1, -1]]))[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+
+
+def tiny(cls_name: str = "Qwen3ForCausalLM", attn: str = "sdpa"):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=32, num_labels=1, pad_token_id=0)
+    cfg._attn_implementation = attn
+    return getattr(transformers, cls_name)(cfg).eval()
+
+
+def rl_batch(packed: bool):
+    prompts = [[1, 5, 6, 7, 9], [1, 8, 9]]
+    samples = []
+    for g, prompt in enumerate(prompts):
+        for k, response in enumerate([[10, 11, 2], [12, 2], [13, 14, 15, 16, 2]]):
+            n = len(response)
+            mask = [1] * n if k != 2 else [1, 0, 0, 1, 1]  # a multi-turn sample: environment tokens inside the response
+            samples.append({"token_ids": prompt + response, "prompt_len": len(prompt), "action_mask": mask, "group": g,
+                            "score": float(k == 0), "advantages": [0.5 - k * 0.4] * n, "ref_logprobs": [-3.0] * n,
+                            "engine_logprobs": [-3.0] * n, "old_values": [0.0] * n, "returns": [1.0] * n})
+    batch = rl_step.RLCollate(0, keys=("action_mask", "advantages", "ref_logprobs", "engine_logprobs", "old_values", "returns"),
+                              shared_prefix=packed)(make_batch(samples))
+    assert ("pack_index" in batch) == packed
+    return batch
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_forward_equals_unpacked_logprobs_loss_and_gradients(attn):
+    model = tiny(attn=attn)
+    plain, packed = rl_batch(False), rl_batch(True)
+    assert packed["pack_input_ids"].numel() < plain["input_ids"].numel()
+    for a, b in zip(rl_step.logprobs_fn(model, plain, 0.7), rl_step.logprobs_fn(model, packed, 0.7)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    loss_fn = dataclasses.replace(rl_step.PolicyObjective("ppo", 0.2, 0.2, None, "token-mean", 1, temperature=0.7, entropy_coef=0.01),
+                                  kl_loss_coef=0.1)
+    counts = {"num_tokens": 20, "num_seqs": 6}
+    grads = []
+    for batch in (plain, packed):
+        model.zero_grad()
+        loss, stats = loss_fn(model, batch, counts)
+        loss.backward()
+        grads.append(([p.grad.clone() for p in model.parameters()], float(loss), float(stats["entropy"])))
+    for a, b in zip(grads[0][0], grads[1][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert grads[0][1] == pytest.approx(grads[1][1], abs=1e-6) and grads[0][2] == pytest.approx(grads[1][2], abs=1e-6)
+
+
+def test_packed_critic_values_and_loss_equal_unpacked():
+    critic = tiny("Qwen3ForTokenClassification")
+    plain, packed = rl_batch(False), rl_batch(True)
+    for a, b in zip(rl_step.values_fn(critic, plain), rl_step.values_fn(critic, packed)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    loss_fn = rl_step.CriticObjective(0.2, "token-mean", 1)
+    counts = {"num_tokens": 20, "num_seqs": 6}
+    a, b = loss_fn(critic, plain, counts)[0], loss_fn(critic, packed, counts)[0]
+    assert float(a) == pytest.approx(float(b), abs=1e-6)
