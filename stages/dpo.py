@@ -20,6 +20,7 @@ from rlhf_core.data.tokenize import forward_inputs, prompt_response
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
+from rlhf_core.training.shared_prefix import model_logits
 from rlhf_core.training.loop import StageSpec, save_final_model, train
 
 
@@ -52,6 +53,10 @@ class Config(TrainConfig):
     default task's near-miss pairs plain DPO lowers both responses' likelihood and greedy accuracy
     falls (sft 0.80 -> 0.49 in 30 steps, 0.695 in 100); with the term: 0.975 and 0.99."""
 
+    shared_prefix: bool = True
+    """Forwards compute a pair's prompt once for both responses (`rlhf_core.training.shared_prefix`):
+    the same log-probs and gradients, ~1.5x fewer tokens on the default task.  Text models only."""
+
     def __post_init__(self):
         super().__post_init__()
         if self.loss_type == "robust" and not 0.0 <= self.label_smoothing < 0.5:
@@ -63,7 +68,7 @@ class Config(TrainConfig):
 
 def sequence_logps(model, batch):
     """Summed response log-probs and response lengths, `(2B,)` each: chosen first, then rejected."""
-    logits = model(**forward_inputs(batch)).logits[:, :-1]
+    logits = model_logits(model, batch, forward_inputs(batch))
     logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
     mask = batch["loss_mask"][:, 1:].to(logprobs.dtype)
     return (logprobs * mask).sum(-1), mask.sum(-1)
@@ -127,8 +132,9 @@ def build_spec(cfg: Config, out_dir: Path):
     eval_prompts = [fmt(r) for r in eval_rows]
     held_out = (common.load_pairs(cfg.eval_pairs, cfg, tokenizer, fmt, out_dir / "rejects", "eval_pairs")
                 if cfg.eval_pairs and Path(cfg.eval_pairs).exists() else [])
-    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected") + (("desirable",) if kto else ()), vision=vision)
-    plain = common.CollatePairs(tokenizer.pad_token_id, vision=vision)
+    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected") + (("desirable",) if kto else ()), vision=vision,
+                                  shared_prefix=cfg.shared_prefix)
+    plain = common.CollatePairs(tokenizer.pad_token_id, vision=vision, shared_prefix=cfg.shared_prefix)
     pixels = common.eval_pixels(vision, eval_rows)
     fingerprint = common.data_fingerprint(cfg)
     cache = out_dir / "checkpoints" / "reference_logps.json"

@@ -62,6 +62,19 @@ PORT_FLAGS = ("ray-client-server-port", "dashboard-agent-listen-port", "dashboar
 PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
 
 
+def ray_node_env() -> dict[str, str]:
+    """The environment of a Ray node we start (`head_env`), without RAY_ADDRESS, and with token
+    authentication off unless RAY_AUTH_MODE says otherwise: Ray 2.60 turns it on for every node
+    started after any plain `ray.init()` on the machine wrote ~/.ray/auth_token, and our job
+    client, which reads RAY_AUTH_MODE, then has no token to send (every stage failed with "ray
+    head did not come up").  These nodes listen on 127.0.0.1 only.  RAY_AUTH_MODE=token in our
+    environment keeps it on, for the head and the client alike."""
+    env = head_env()
+    env.pop("RAY_ADDRESS", None)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    return env
+
+
 class LocalRayHead:
     """A Ray head on this machine, owned by this process.  Use as a context manager."""
 
@@ -97,8 +110,7 @@ class LocalRayHead:
         # a head that is still shutting down, or a second pipeline on the same host
         ports = iter(self._ports)
         cmd += [f"--{flag}={next(ports)}" for flag in PORT_FLAGS]
-        env = head_env()  # job drivers and workers inherit the head's environment: never all of ours
-        env.pop("RAY_ADDRESS", None)
+        env = ray_node_env()  # job drivers and workers inherit the head's environment: never all of ours
         env.update({
             "RAY_USAGE_STATS_ENABLED": "0",
             # Ray 2.60's `ray start` replaces --node-ip-address=127.0.0.1 by the host's address
@@ -132,8 +144,7 @@ class LocalRayHead:
                "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}",
                *[f"--{flag}={port}" for flag, port in zip(("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                                                          "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"), ports)]]
-        env = head_env()
-        env.pop("RAY_ADDRESS", None)
+        env = ray_node_env()
         env.update({"RAY_USAGE_STATS_ENABLED": "0"})
         self.nodes.append(watchdog.spawn(["head", "--", *cmd], stdout=self.log_file, stderr=subprocess.STDOUT, env=env))
         deadline = time.time() + timeout
@@ -156,6 +167,11 @@ class LocalRayHead:
         try:
             with urllib.request.urlopen(f"{self.job_address}/api/version", timeout=2) as r:
                 return r.status == 200
+        except urllib.error.HTTPError as e:
+            # token authentication (Ray >= 2.5x turns it on for every later head once any plain
+            # `ray.init()` wrote ~/.ray/auth_token): the server is up and wants the token, which
+            # Ray's job client sends by itself
+            return e.code in (401, 403)
         except OSError:
             return False
 

@@ -201,15 +201,25 @@ def tokenize_pair(tokenizer, prompt: list[int], row: dict, max_len: int) -> dict
 class CollatePairs:
     """Pairs -> one padded batch: the B chosen sequences, then the B rejected ones.  Extra
     per-pair float fields (e.g. reference log-probs) become `(B,)` tensors; with `vision`, the
-    pairs' pictures as `pixel_values` in the same layout (a pair's picture twice)."""
+    pairs' pictures as `pixel_values` in the same layout (a pair's picture twice).  With
+    `shared_prefix` (text models), also the packed forward inputs in which a pair's two sequences
+    share one copy of their prompt (`shared_prefix.pack_rows`; the forward reads them through
+    `shared_prefix.model_logits`)."""
 
-    def __init__(self, pad_id: int, extra: tuple[str, ...] = (), vision: VisionInputs | None = None):
+    def __init__(self, pad_id: int, extra: tuple[str, ...] = (), vision: VisionInputs | None = None, shared_prefix: bool = False):
         self.pad_id, self.extra, self.vision = pad_id, extra, vision
+        self.shared_prefix = shared_prefix and vision is None
 
     def __call__(self, pairs: list[dict]) -> dict:
         import torch
 
-        batch = pad_batch([p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], self.pad_id)
+        from rlhf_core.training.shared_prefix import PACK_MAX_LEN, pack_rows
+
+        sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+        batch = pad_batch(sequences, self.pad_id)
+        if self.shared_prefix:  # the prompt: the tokens before the loss mask's first 1
+            prompt_len = [e["loss_mask"].index(1) if 1 in e["loss_mask"] else len(e["loss_mask"]) for e in sequences]
+            batch.update(pack_rows([e["input_ids"] for e in sequences], prompt_len, self.pad_id, PACK_MAX_LEN) or {})
         if self.vision is not None:
             refs = [ref for p in pairs for ref in p.get("images", ())]
             batch["pixel_values"] = self.vision.pixel_values(refs + refs)

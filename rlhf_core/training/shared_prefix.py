@@ -25,6 +25,10 @@ from __future__ import annotations
 
 import torch
 
+# a packed row's longest length (tokens): a prompt's samples beyond it go into another row, so the
+# (rows, 1, L, L) attention mask stays small when responses are long
+PACK_MAX_LEN = 4096
+
 
 def pack_rows(token_ids: list[list[int]], prompt_len: list[int], pad_id: int, max_len: int) -> dict | None:
     """The packed forward inputs of samples `token_ids` (prompt + response, `prompt_len[i]` prompt

@@ -32,7 +32,7 @@ def test_collate_aligns_response_lists_with_next_token_logits():
     # token at absolute position p is predicted by logits row p - 1
     assert b["action_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 1]]
     assert b["old_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, -1.0, 0.0, -2.0]]
-    assert [r.tolist() for r in rl_step._slices(b["old_logprobs"], b)] == [[-0.5, -0.25], [-1.0, 0.0, -2.0]]
+    assert rl_step._slices(b["old_logprobs"], b) == [[-0.5, -0.25], [-1.0, 0.0, -2.0]]
 
 
 def test_grpo_advantages_broadcast_group_normalised_score():
@@ -251,7 +251,7 @@ def test_trainer_logprobs_are_the_engines_at_the_sampling_temperature(tiny, temp
     batch = rl_step.RLCollate(pad_id=tok.pad_token_id, keys=("action_mask",))(make_batch([sample]))
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        trainer = rl_step.logprobs_fn(model, batch, temperature=temperature)[0].tolist()
+        trainer = rl_step.logprobs_fn(model, batch, temperature=temperature)[0]
     assert trainer == pytest.approx(out.logprobs, abs=1e-5)
 
 

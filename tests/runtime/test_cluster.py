@@ -112,3 +112,24 @@ def test_the_head_listens_on_loopback_only_and_its_jobs_see_no_secret(monkeypatc
                 pass
         assert not holders
         client.stop_job(job)
+
+
+@pytest.mark.integration
+def test_a_ray_auth_token_left_by_a_plain_ray_init_does_not_stop_our_head(monkeypatch, tmp_path):
+    """Ray 2.60 turns token authentication on for every node started after any `ray.init()` on the
+    machine wrote ~/.ray/auth_token; our head then never answered the job client (every stage:
+    "ray head did not come up within 120s").  With such a token in HOME, a job still runs."""
+    from ray.job_submission import JobSubmissionClient
+
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with LocalRayHead(num_cpus=1, startup_timeout=90) as head:
+        client = JobSubmissionClient(head.job_address)
+        job = client.submit_job(entrypoint=sys.executable + " -c \"import ray; ray.init(address='auto'); print('UP', ray.get(ray.put(7)))\"")
+        deadline = time.time() + 120
+        while (status := client.get_job_status(job)) not in ("SUCCEEDED", "FAILED", "STOPPED") and time.time() < deadline:
+            time.sleep(0.5)
+        logs = client.get_job_logs(job)
+    assert status == "SUCCEEDED" and "UP 7" in logs, logs[-3000:]

@@ -67,7 +67,7 @@ def test_packed_forward_equals_unpacked_logprobs_loss_and_gradients(attn):
     plain, packed = rl_batch(False), rl_batch(True)
     assert packed["pack_input_ids"].numel() < plain["input_ids"].numel()
     for a, b in zip(rl_step.logprobs_fn(model, plain, 0.7), rl_step.logprobs_fn(model, packed, 0.7)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
     loss_fn = dataclasses.replace(rl_step.PolicyObjective("ppo", 0.2, 0.2, None, "token-mean", 1, temperature=0.7, entropy_coef=0.01),
                                   kl_loss_coef=0.1)
     counts = {"num_tokens": 20, "num_seqs": 6}
@@ -86,8 +86,30 @@ def test_packed_critic_values_and_loss_equal_unpacked():
     critic = tiny("Qwen3ForTokenClassification")
     plain, packed = rl_batch(False), rl_batch(True)
     for a, b in zip(rl_step.values_fn(critic, plain), rl_step.values_fn(critic, packed)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
     loss_fn = rl_step.CriticObjective(0.2, "token-mean", 1)
     counts = {"num_tokens": 20, "num_seqs": 6}
     a, b = loss_fn(critic, plain, counts)[0], loss_fn(critic, packed, counts)[0]
     assert float(a) == pytest.approx(float(b), abs=1e-6)
+
+
+def test_packed_dpo_pairs_equal_unpacked_logps_and_gradients():
+    from rlhf_core.training.common import CollatePairs
+    from stages import dpo
+
+    seq = lambda prompt, resp: {"input_ids": prompt + resp, "loss_mask": [0] * len(prompt) + [1] * len(resp)}  # noqa: E731
+    pairs = [{"chosen": seq([1, 5, 6], [7, 2]), "rejected": seq([1, 5, 6], [8, 9, 2]), "ref_chosen": -2.0, "ref_rejected": -3.0},
+             {"chosen": seq([1, 9, 9, 9], [4, 2]), "rejected": seq([1, 9, 9, 9], [3, 2]), "ref_chosen": -1.0, "ref_rejected": -1.5}]
+    model = tiny()
+    grads = []
+    for shared in (False, True):
+        batch = CollatePairs(0, extra=("ref_chosen", "ref_rejected"), shared_prefix=shared)(pairs)
+        assert ("pack_index" in batch) == shared
+        model.zero_grad()
+        loss, _ = dpo.loss_fn(model, batch, {"num_pairs": 2}, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, nll_coef=1.0)
+        loss.backward()
+        grads.append((float(loss), dpo.ref_logps_fn(model, batch), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-6)
+    assert grads[0][1] == pytest.approx(grads[1][1], abs=1e-5)
+    for a, b in zip(grads[0][2], grads[1][2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
