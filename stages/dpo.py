@@ -20,7 +20,7 @@ from rlhf_core.data.tokenize import forward_inputs, prompt_response
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.shared_prefix import model_logits
+from rlhf_core.models.shared_prefix import model_logits
 from rlhf_core.training.loop import StageSpec, save_final_model, train
 
 
@@ -54,7 +54,7 @@ class Config(TrainConfig):
     falls (sft 0.80 -> 0.49 in 30 steps, 0.695 in 100); with the term: 0.975 and 0.99."""
 
     shared_prefix: bool = True
-    """Forwards compute a pair's prompt once for both responses (`rlhf_core.training.shared_prefix`):
+    """Forwards compute a pair's prompt once for both responses (`rlhf_core.models.shared_prefix`):
     the same log-probs and gradients, ~1.5x fewer tokens on the default task.  Text models only."""
 
     def __post_init__(self):

@@ -73,7 +73,7 @@ class Config(TrainConfig):
     the rollouts' `old_logprobs` column is null and the KL statistic reads the engine's log-probs."""
     shared_prefix: bool = True
     """Trainer forwards (reference, old log-probs, critic, update) compute a prompt once for all
-    its samples (`rlhf_core.training.shared_prefix`): the same log-probs and gradients, ~2.2x
+    its samples (`rlhf_core.models.shared_prefix`): the same log-probs and gradients, ~2.2x
     fewer tokens on the default task.  Text models only; off: one padded row per sample."""
     max_new_tokens: int = 8
     temperature: float = 1.0

@@ -29,6 +29,7 @@ from typing import Literal
 from rlhf_core import atomic
 from rlhf_core.algos.aggregation import masked_sum, pool_response
 from rlhf_core.algos.losses import RM_LOSSES, rm_centering_loss, token_logprobs
+from rlhf_core.models.shared_prefix import model_logits
 from rlhf_core.training import common
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.loop import StageSpec, save_final_model, train
@@ -58,6 +59,10 @@ class Config(TrainConfig):
     pooling: Literal["last", "response_sum", "response_mean", "logprob"] = "last"
     """Where the reward is read: the last token, per token summed/averaged over the response, or
     the response's summed log-probability under the model (no head)."""
+    shared_prefix: bool = True
+    """With `pooling=logprob`, forwards compute a pair's prompt once for both responses
+    (`rlhf_core.models.shared_prefix`; the same rewards and gradients).  The head poolings read
+    every position of their own sequence and are not packed."""
 
 
 # --- maths: run inside the workers ---------------------------------------------------------
@@ -70,7 +75,7 @@ MODEL_KINDS = {"last": "reward", "response_sum": "value", "response_mean": "valu
 def rewards_of(model, batch, pooling: str):
     """Scalar reward per sequence `(2B,)`: chosen first, then rejected."""
     if pooling == "logprob":
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        logits = model_logits(model, batch, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
         logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])
         return masked_sum(logprobs, batch["loss_mask"][:, 1:].float(), dim=-1)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
@@ -104,7 +109,7 @@ def build_spec(cfg: Config, out_dir: Path):
     eval_pairs = common.load_pairs(cfg.eval_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval")
     random_pairs = (common.load_pairs(cfg.eval_random_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval_random")
                     if cfg.eval_random_data and Path(cfg.eval_random_data).exists() else None)
-    collate = common.CollatePairs(tokenizer.pad_token_id)
+    collate = common.CollatePairs(tokenizer.pad_token_id, shared_prefix=cfg.shared_prefix and cfg.pooling == "logprob")
 
     def pair_rewards(group, pairs) -> list:
         return group.call_rank0("evaluate", common.batches(collate, pairs, cfg.eval_batch_size), partial(pair_rewards_fn, pooling=cfg.pooling))

@@ -154,22 +154,28 @@ class ModelReward:
     def __call__(self, samples: list[dict]):
         from rlhf_core.algos.aggregation import masked_sum, pool_response
         from rlhf_core.algos.losses import token_logprobs
+        from rlhf_core.models.shared_prefix import PACK_MAX_LEN, model_logits, pack_rows
 
         seqs = [s["token_ids"] for s in samples]
         width = max(len(x) for x in seqs)
         ids = torch.tensor([x + [self.pad] * (width - len(x)) for x in seqs])
         mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.cpu()
+        inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         if self.pooling == "last":
-            scores = logits.squeeze(-1).float()
+            scores = self.model(**inputs).logits.cpu().squeeze(-1).float()
         else:
             if any("prompt_len" not in s for s in samples):
                 raise RewardError(f"{self.name} pools over the response ({self.pooling}): every sample needs its prompt_len")
             starts = torch.tensor([s["prompt_len"] for s in samples]).unsqueeze(1)
             response = ((torch.arange(width).unsqueeze(0) >= starts) & mask.bool()).float()
             if self.pooling == "logprob":  # summed log-prob of each response token (position t-1 predicts t)
-                scores = masked_sum(token_logprobs(logits[:, :-1], ids[:, 1:]), response[:, 1:], dim=-1)
+                # a prompt's samples share one forward of it (models/shared_prefix.py): the same log-probs
+                packed = pack_rows(seqs, [s["prompt_len"] for s in samples], self.pad, PACK_MAX_LEN) or {}
+                batch = {**inputs, **{k: v.to(self.device) for k, v in packed.items()}}
+                logits = model_logits(self.model, batch, inputs).cpu()
+                scores = masked_sum(token_logprobs(logits, ids[:, 1:]), response[:, 1:], dim=-1)
             else:
+                logits = self.model(**inputs).logits.cpu()
                 scores = pool_response(logits.squeeze(-1).float(), response, self.pooling)
         return _validate(self.name, ((scores - self.mean) / self.std).tolist(), len(samples))
 

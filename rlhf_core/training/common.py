@@ -213,7 +213,7 @@ class CollatePairs:
     def __call__(self, pairs: list[dict]) -> dict:
         import torch
 
-        from rlhf_core.training.shared_prefix import PACK_MAX_LEN, pack_rows
+        from rlhf_core.models.shared_prefix import PACK_MAX_LEN, pack_rows
 
         sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
         batch = pad_batch(sequences, self.pad_id)

@@ -7,7 +7,7 @@ import torch
 from conftest import make_batch
 
 from rlhf_core.training import rl_step
-from rlhf_core.training.shared_prefix import pack_rows, segment_mask
+from rlhf_core.models.shared_prefix import pack_rows, segment_mask
 
 pytestmark = pytest.mark.unit
 
@@ -113,3 +113,41 @@ def test_packed_dpo_pairs_equal_unpacked_logps_and_gradients():
     assert grads[0][1] == pytest.approx(grads[1][1], abs=1e-5)
     for a, b in zip(grads[0][2], grads[1][2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_rm_logprob_rewards_equal_unpacked(tmp_path):
+    """rm (pooling=logprob): the pair rewards and the loss's gradients; the rl reward model's
+    scores of a step's samples (rollout/rewards.py ModelReward)."""
+    import json
+
+    from rlhf_core.rollout.rewards import ModelReward
+    from rlhf_core.training.common import CollatePairs
+    from stages import rm
+
+    seq = lambda prompt, resp: {"input_ids": prompt + resp, "loss_mask": [0] * len(prompt) + [1] * len(resp)}  # noqa: E731
+    pairs = [{"chosen": seq([1, 5, 6], [7, 2]), "rejected": seq([1, 5, 6], [8, 9, 2])},
+             {"chosen": seq([1, 9, 9, 9], [4, 2]), "rejected": seq([1, 9, 9, 9], [3, 2])}]
+    model = tiny()
+    out = []
+    for shared in (False, True):
+        batch = CollatePairs(0, shared_prefix=shared)(pairs)
+        model.zero_grad()
+        loss, _ = rm.loss_fn(model, batch, {"num_pairs": 2}, loss="sigmoid", margin=0.0, pooling="logprob")
+        loss.backward()
+        out.append((rm.pair_rewards_fn(model, batch, "logprob"), [p.grad.clone() for p in model.parameters()]))
+    assert out[0][0] == pytest.approx(out[1][0], abs=1e-5)
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+    model.save_pretrained(tmp_path)
+    (tmp_path / "reward_stats.json").write_text(json.dumps({"pooling": "logprob"}))
+    scorer = ModelReward(str(tmp_path), pad_token_id=0, normalize=False)
+    samples = [{"token_ids": [1, 5, 6, 7, 2], "prompt_len": 3}, {"token_ids": [1, 5, 6, 8, 9, 2], "prompt_len": 3},
+               {"token_ids": [1, 9, 4, 2], "prompt_len": 2}, {"token_ids": [1, 9, 3, 3, 2], "prompt_len": 2}]
+    assert pack_rows([s["token_ids"] for s in samples], [s["prompt_len"] for s in samples], 0, 64) is not None  # packed
+    scores = scorer(samples)[0]
+    with torch.no_grad():
+        for s, score in zip(samples, scores):
+            ids = torch.tensor([s["token_ids"]])
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            assert score == pytest.approx(float(lp[s["prompt_len"] - 1:].sum()), abs=1e-5)
