@@ -19,7 +19,7 @@ the shared prompt states receive the sum of the k samples' gradients, as k copie
 `pack_rows` builds the packed row(s) and an index that scatters the packed logits back into the
 usual `(B, T-1)` layout (rl_step's module doc), so every loss and statistic downstream is
 unchanged: only the forward is packed.  A group longer than `max_len` goes into several rows
-(each with its own copy of the prompt).  Pure tensors: no model, no Ray.
+(each with its own copy of the prompt).  No Ray, no I/O.
 """
 from __future__ import annotations
 
@@ -94,6 +94,17 @@ def segment_mask(seg_of: torch.Tensor) -> torch.Tensor:
     return mask[:, None]
 
 
+def attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """The custom 4D mask in the form `model`'s attention takes it, as transformers builds its own:
+    bool for sdpa / flash / flex (whatever the query dtype, so bf16 autocast works), an additive
+    float mask in the weights' dtype for eager attention (which adds it to the scores)."""
+    hf = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    if getattr(getattr(hf, "config", None), "_attn_implementation", "eager") != "eager":
+        return allowed
+    dtype = next(p.dtype for p in hf.parameters() if p.is_floating_point())
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def unpack_logits(packed: torch.Tensor, batch: dict) -> torch.Tensor:
     """Packed (R, L, V) logits -> the unpacked `(B, T-1, V)` layout: response positions carry
     their sample's logits, every other position zeros (masked out downstream; finite)."""
@@ -108,10 +119,6 @@ def model_logits(model, batch: dict, inputs: dict) -> torch.Tensor:
     the collate packed it (`pack_rows`), else the plain padded forward (`inputs`)."""
     if "pack_index" not in batch:
         return model(**inputs).logits[:, :-1]
-    # an additive float mask in the model's dtype: what eager and sdpa attention both take as a custom 4D mask
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    allowed = batch["pack_mask"]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    packed = model(input_ids=batch["pack_input_ids"], attention_mask=mask,
+    packed = model(input_ids=batch["pack_input_ids"], attention_mask=attention_mask(model, batch["pack_mask"]),
                    position_ids=batch["pack_position_ids"]).logits
     return unpack_logits(packed, batch)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -67,8 +68,8 @@ def ray_node_env() -> dict[str, str]:
     authentication off unless RAY_AUTH_MODE says otherwise: Ray 2.60 turns it on for every node
     started after any plain `ray.init()` on the machine wrote ~/.ray/auth_token, and our job
     client, which reads RAY_AUTH_MODE, then has no token to send (every stage failed with "ray
-    head did not come up").  These nodes listen on 127.0.0.1 only.  RAY_AUTH_MODE=token in our
-    environment keeps it on, for the head and the client alike."""
+    head did not come up").  The nodes are this command's or this pipeline's own, started here.
+    RAY_AUTH_MODE=token in our environment keeps it on, for the nodes and the client alike."""
     env = head_env()
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_AUTH_MODE", "disabled")
@@ -168,9 +169,8 @@ class LocalRayHead:
             with urllib.request.urlopen(f"{self.job_address}/api/version", timeout=2) as r:
                 return r.status == 200
         except urllib.error.HTTPError as e:
-            # token authentication (Ray >= 2.5x turns it on for every later head once any plain
-            # `ray.init()` wrote ~/.ray/auth_token): the server is up and wants the token, which
-            # Ray's job client sends by itself
+            # token authentication (RAY_AUTH_MODE=token, see ray_node_env): the server is up and
+            # wants the token, which Ray's job client sends by itself
             return e.code in (401, 403)
         except OSError:
             return False

@@ -151,3 +151,14 @@ def test_packed_rm_logprob_rewards_equal_unpacked(tmp_path):
             ids = torch.tensor([s["token_ids"]])
             lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
             assert score == pytest.approx(float(lp[s["prompt_len"] - 1:].sum()), abs=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_forward_under_bf16_autocast(attn):
+    """`mixed_precision=bf16` runs the loss under autocast: the packed mask must suit bf16 queries."""
+    model = tiny(attn=attn)
+    plain, packed = rl_batch(False), rl_batch(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = rl_step.logprobs_fn(model, plain), rl_step.logprobs_fn(model, packed)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=0.1, rtol=0.05)
