@@ -17,10 +17,10 @@ from rlhf_core import atomic
 from rlhf_core.algos.losses import dpo_loss, kto_loss, token_logprobs
 from rlhf_core.data.io import write_jsonl
 from rlhf_core.data.tokenize import forward_inputs, prompt_response
+from rlhf_core.models.shared_prefix import model_logits
 from rlhf_core.training import common
 from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.models.shared_prefix import model_logits
 from rlhf_core.training.loop import StageSpec, save_final_model, train
 
 

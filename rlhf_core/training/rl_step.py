@@ -29,8 +29,8 @@ from rlhf_core.algos.losses import (
 )
 from rlhf_core.algos.shaping import kl_shaped_rewards
 from rlhf_core.data.tokenize import forward_inputs
-from rlhf_core.rollout.batch import RolloutBatch
 from rlhf_core.models.shared_prefix import PACK_MAX_LEN, model_logits, pack_rows
+from rlhf_core.rollout.batch import RolloutBatch
 
 # the per-token columns the trainers read
 TRAIN_COLUMNS = ("action_mask", "engine_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import make_batch
 
-from rlhf_core.training import rl_step
 from rlhf_core.models.shared_prefix import pack_rows, segment_mask
+from rlhf_core.training import rl_step
 
 pytestmark = pytest.mark.unit
 
