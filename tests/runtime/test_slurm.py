@@ -63,7 +63,11 @@ def test_sbatch_template_starts_a_two_node_cluster_and_runs_a_stage(project, sho
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "SLURM_"))}
     env.update(PATH=f"{stubs}:{Path(sys.executable).parent}:{env['PATH']}", PORTS_DIR=str(tmp_path), SLURM_JOB_NODELIST="node-[a-b]",
                SLURM_CPUS_ON_NODE="2", RAY_PORT=str(ports[0]), DASHBOARD_PORT=str(ports[1]), VENV=str(Path(sys.executable).parents[1]),
-               RAY_USAGE_STATS_ENABLED="0")
+               RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
+    # a token left by any plain ray.init() turns Ray's token auth on (test_cluster's case): the
+    # template must still reach its head
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
     cmd = ["bash", str(ROOT / "scripts" / "slurm" / "ray_cluster.sbatch"), "rlhf", "stage", "run", "sft", "--params", "none.yaml",
            "--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=2", "--set", "sft.global_batch_size=8",
            "--set", "sft.num_workers=2", "--set", "sft.placement_strategy=STRICT_SPREAD", "--set", "sft.eval_max_new_tokens=2",
