@@ -49,10 +49,12 @@ def rlhf(*args, cwd, env=None, timeout=600):
 
 @pytest.fixture(scope="session")
 def ray_head():
-    """One embedded Ray head for the whole session; tests submit jobs to it via RAY_ADDRESS."""
-    from rlhf_core.runtime.cluster import LocalRayHead
+    """One embedded Ray head for the whole session; tests submit jobs to it via RAY_ADDRESS.  Its
+    token's path is in our environment meanwhile (`use_head`), so the commands tests start and
+    their JobSubmissionClients authenticate to it."""
+    from rlhf_core.runtime.cluster import LocalRayHead, use_head
 
-    with LocalRayHead() as head:
+    with LocalRayHead() as head, use_head(head):
         yield head.job_address
 
 

@@ -4,10 +4,17 @@ A row may carry `images`: a list (or one) of image references -- a path (relativ
 file's directory, or absolute) or the image's bytes (a Parquet binary column) -- one per `<image>`
 placeholder in its prompt, in order.  An optional `image_sha256` list pins each file's content.
 
+A path must resolve (`..` and symlinks followed) inside the allowed root: `image_root` when set,
+else the data file's own directory -- data cannot make a run read any file of the host (an
+absolute path, `../..`, or a symlink out of the directory is rejected with the reason, like a
+missing image).  A hub dataset (`hf://NAME`) has no directory of its own: its image paths need
+`image_root` (relative ones are then relative to it).
+
 A row is rejected with a reason (and counted, like any malformed row) when an image is missing,
 unreadable or truncated, in a mode the model cannot take (`image_modes`), over `max_image_pixels`
 or `max_image_bytes`, differs from its `image_sha256`, or when the images do not match the
-placeholders.  Accepted rows get `images` as a list of absolute paths (or bytes) and
+placeholders, or when a path leads outside the allowed root.  Accepted rows get `images` as a
+list of absolute, symlink-free paths (or bytes) and
 `image_sha256` as computed here, so what trained is what the manifest records.
 """
 from __future__ import annotations
@@ -26,18 +33,43 @@ class ImageRules:
     """PIL modes accepted (each becomes RGB for the processor); CMYK, 16-bit, float ... are rejected."""
     max_pixels: int = 2048 * 2048
     max_bytes: int = 20 * 1024 * 1024
+    image_root: str = ""
+    """The directory every image path must resolve inside (symlinks followed); empty: the data
+    file's own directory (a HF `datasets` directory: itself)."""
 
 
-def _raw(ref, base_dir: Path) -> tuple[bytes | None, str | None]:
-    """(bytes, None) or (None, reason)."""
+def image_path(ref: str, base_dir: Path | None, rules: ImageRules) -> tuple[Path | None, str | None]:
+    """(the file `ref` names, resolved: absolute, no `..`, no symlinks; None) or (None, reason):
+    relative to `base_dir` (the data file's directory; `image_root` when the data has none), and
+    inside `image_root` or, when that is unset, inside `base_dir`."""
+    root = Path(rules.image_root) if rules.image_root else base_dir
+    if root is None:
+        return None, f"image {ref!r}: data without a directory of its own (a hub dataset) needs image_root set for image paths"
+    root = root.resolve()
+    try:
+        path = ((base_dir if base_dir is not None else root) / ref).resolve()  # an absolute `ref` replaces the base
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL byte
+        return None, f"image {ref!r} is not a usable path ({e})"
+    if not path.is_relative_to(root):
+        where = "image_root" if rules.image_root else "the data file's directory"
+        return None, f"image {ref!r} is outside {where} (resolves to {path}, not under {root})"
+    return path, None
+
+
+def _raw(ref, base_dir: Path | None, rules: ImageRules) -> tuple[bytes | None, Path | None, str | None]:
+    """(bytes, the resolved path or None for bytes, None) or (None, None, reason)."""
     if isinstance(ref, (bytes, bytearray)):
-        return bytes(ref), None
+        return bytes(ref), None, None
     if not isinstance(ref, str) or not ref:
-        return None, f"an image must be a path or bytes, got {type(ref).__name__}"
-    path = Path(ref) if Path(ref).is_absolute() else base_dir / ref
+        return None, None, f"an image must be a path or bytes, got {type(ref).__name__}"
+    path, reason = image_path(ref, base_dir, rules)
+    if reason:
+        return None, None, reason
     if not path.is_file():
-        return None, f"image {ref!r} not found"
-    return path.read_bytes(), None
+        return None, None, f"image {ref!r} not found"
+    if path.stat().st_size > rules.max_bytes:  # not read into memory to find out
+        return None, None, f"{path.stat().st_size} bytes, over max_image_bytes={rules.max_bytes}"
+    return path.read_bytes(), path, None
 
 
 def image_problem(data: bytes, rules: ImageRules) -> str | None:
@@ -60,8 +92,9 @@ def image_problem(data: bytes, rules: ImageRules) -> str | None:
     return None
 
 
-def check_row_images(row: dict, base_dir: Path, rules: ImageRules) -> str | None:
-    """Validate `row['images']` in place (see the module doc); the reason it is unusable, or None."""
+def check_row_images(row: dict, base_dir: Path | None, rules: ImageRules) -> str | None:
+    """Validate `row['images']` in place (see the module doc); the reason it is unusable, or None.
+    `base_dir`: the data file's directory (None: data with none, a hub dataset)."""
     refs = row["images"]
     refs = [refs] if isinstance(refs, (str, bytes, bytearray)) else refs
     if not isinstance(refs, list):
@@ -74,14 +107,14 @@ def check_row_images(row: dict, base_dir: Path, rules: ImageRules) -> str | None
         return "'image_sha256' must list one sha256 per image"
     resolved, digests = [], []
     for i, ref in enumerate(refs):
-        data, reason = _raw(ref, base_dir)
+        data, path, reason = _raw(ref, base_dir, rules)
         reason = reason or image_problem(data, rules)
         if reason:
             return f"images[{i}]: {reason}"
         digest = hashlib.sha256(data).hexdigest()
         if pinned is not None and pinned[i] != digest:
             return f"images[{i}]: sha256 {digest[:12]} differs from its image_sha256 {str(pinned[i])[:12]} (changed or corrupted)"
-        resolved.append(ref if isinstance(ref, (bytes, bytearray)) else str((base_dir / ref).resolve()))
+        resolved.append(ref if path is None else str(path))
         digests.append(digest)
     row["images"], row["image_sha256"] = resolved, digests
     return None

@@ -1,4 +1,15 @@
-"""Load user data (JSONL, Parquet, HF `datasets` directories) and validate every row.
+"""Load user data (JSONL, Parquet, HF `datasets` directories, hub datasets) and validate every row.
+
+Where (`train_data`, `eval_data`, `rlhf data check PATH`): a data path is local -- a `.jsonl`,
+a `.parquet`, or a directory written by `datasets`' `save_to_disk` -- and one that does not exist
+is an error, never a hub lookup.  A hub dataset is asked for explicitly (OpenRLHF's `--dataset`):
+
+  hf://NAME[@REVISION][:SPLIT]   datasets.load_dataset(NAME, split=SPLIT, revision=REVISION)
+
+NAME is a hub id (`openai/gsm8k`) or anything else `load_dataset` takes (a local directory of
+JSON/Parquet files: `hf:///abs/dir`); SPLIT defaults to `train` and may slice (`test[:100]`);
+REVISION is a branch, tag or commit.  Its rows go through the same validation; image paths in
+a dataset with no local directory need `image_root` (`data/images.py`).
 
 Formats (ARCHITECTURE.md §3):
   sft   prompt, response      (or `messages`: [{role, content}, ...] with an assistant turn)
@@ -21,6 +32,7 @@ from typing import Iterator
 
 from rlhf_core import atomic
 from rlhf_core.data.images import ImageRules, check_row_images
+from rlhf_core.models.load import HUB_PREFIX
 
 SCHEMAS = {"sft": ("prompt", "response"), "pref": ("prompt", "chosen", "rejected"), "rl": ("prompt", "label"), "text": ("text",),
            "unpaired": ("prompt", "completion")}
@@ -80,6 +92,30 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, dict, str | None]]:
         yield from _iter_jsonl(path)
     else:
         raise DataError(f"{path}: unsupported data format (use .jsonl, .parquet or a HF datasets directory)")
+
+
+def hub_dataset_ref(path: str | Path) -> tuple[str, str | None, str] | None:
+    """(NAME, REVISION or None, SPLIT) of a hub dataset path `hf://NAME[@REVISION][:SPLIT]` (module
+    doc), or None for a local path.  A malformed one is a DataError."""
+    if not isinstance(path, str) or not path.startswith(HUB_PREFIX):
+        return None
+    name, _, split = path[len(HUB_PREFIX):].partition(":")
+    name, at, revision = name.partition("@")
+    if not name or any(c.isspace() for c in name) or (at and not revision):
+        raise DataError(f"{path}: not a hub dataset; write {HUB_PREFIX}NAME, {HUB_PREFIX}NAME:SPLIT or {HUB_PREFIX}NAME@REVISION:SPLIT")
+    return name, revision or None, split or "train"
+
+
+def _iter_hub(name: str, revision: str | None, split: str) -> Iterator[tuple[int, dict, str | None]]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(name, split=split, revision=revision)
+    except Exception as e:  # not found, offline, no such split: one clear error naming what was asked
+        raise DataError(f"{HUB_PREFIX}{name}: load_dataset({name!r}, split={split!r}, revision={revision!r}) failed: "
+                        f"{type(e).__name__}: {e}") from e
+    for i, row in enumerate(ds, start=1):
+        yield i, dict(row), None
 
 
 def _text_problem(row: dict, key: str, max_chars: int) -> str | None:
@@ -143,19 +179,24 @@ def load_rows(path: str | Path, kind: str, *, rejects_path: str | Path, max_char
     """Read and validate `path` as `kind` data; write rejects (JSONL: line, reason, row) to `rejects_path`.
     `keys`: our column name -> the file's (see `map_keys`); a missing one is named both ways.
     Rows with `images` have them checked against `image_rules` (paths relative to the file's dir).
+    `path`: a local file or directory, or a hub dataset `hf://NAME[@REVISION][:SPLIT]` (module doc).
 
-    Raises DataError if the file is missing, no row is valid, or more than `max_reject_ratio`
-    of the rows are rejected.
+    Raises DataError if the file is missing (or the hub dataset cannot be loaded), no row is valid,
+    or more than `max_reject_ratio` of the rows are rejected.
     """
     renamed = {ours: theirs for ours, theirs in (keys or {}).items() if theirs != ours}
     if kind not in SCHEMAS:
         raise ValueError(f"unknown data kind {kind!r}; valid: {sorted(SCHEMAS)}")
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file or directory")
+    hub = hub_dataset_ref(path)
+    if hub:  # image paths: inside the dataset's directory when it is a local one, else only under image_root
+        source, image_dir = _iter_hub(*hub), Path(hub[0]) if Path(hub[0]).is_dir() else None
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"{path}: no such file or directory (a local path; a hub dataset is written {HUB_PREFIX}NAME[:SPLIT])")
+        source, image_dir = _iter_rows(path), path if path.is_dir() else path.parent
     rows, rejects, seen_ids = [], [], set()
-    image_dir = path if path.is_dir() else path.parent
-    for lineno, row, reason in _iter_rows(path):
+    for lineno, row, reason in source:
         if reason is None:
             row = map_keys(row, renamed)
             reason = validate_row(row, kind, max_chars)

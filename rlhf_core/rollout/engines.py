@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_core.models.load import resolve_model_ref
+
 
 @dataclass
 class Completion:
@@ -58,12 +60,16 @@ class VLLMEngine:
                  enable_sleep_mode: bool = False, trust_remote_code: bool = False, sleep_level: int = 1, tensor_parallel_size: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight updates are plain calls
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # models/load.py's one rule: a missing local path is an error here (never a hub download of
+        # whatever repo the name spells); `hf://ORG/NAME@REV` is the hub id ORG/NAME at REV
+        name, revision, _ = resolve_model_ref(model_path)
         from vllm import LLM
 
         # level 1: weights to CPU memory, KV cache freed; level 2: both freed (the weight sync
         # after the update writes them again: less memory, no copy back)
         self.sleep_enabled, self.sleep_level = enable_sleep_mode, sleep_level
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+        self.llm = LLM(model=name, revision=revision, tokenizer_revision=revision, dtype=dtype, max_model_len=max_model_len,
+                       gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=True, seed=seed, enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code,
                        # tensor parallel: vLLM's worker processes on this actor's GPUs; each one's
                        # `reload_weights` takes the full weights and keeps its shard

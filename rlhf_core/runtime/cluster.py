@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -63,17 +64,60 @@ PORT_FLAGS = ("ray-client-server-port", "dashboard-agent-listen-port", "dashboar
 PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
 
 
-def ray_node_env() -> dict[str, str]:
-    """The environment of a Ray node we start (`head_env`), without RAY_ADDRESS, and with token
-    authentication off unless RAY_AUTH_MODE says otherwise: Ray 2.60 turns it on for every node
-    started after any plain `ray.init()` on the machine wrote ~/.ray/auth_token, and our job
-    client, which reads RAY_AUTH_MODE, then has no token to send (every stage failed with "ray
-    head did not come up").  The nodes are this command's or this pipeline's own, started here.
-    RAY_AUTH_MODE=token in our environment keeps it on, for the nodes and the client alike."""
+AUTH_MODE, TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
+
+
+def auth_disabled(environ=None) -> bool:
+    """Token authentication is off only when the user says so: RAY_AUTH_MODE=disabled."""
+    return (os.environ if environ is None else environ).get(AUTH_MODE, "").lower() == "disabled"
+
+
+def new_token_file(directory: str | Path) -> Path:
+    """A fresh 256-bit token in DIRECTORY/auth_token, created 0600 (never readable by others,
+    not even for an instant); the directory should be private (0700) too."""
+    path = Path(directory) / "auth_token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def ray_node_env(token_path: Path | None) -> dict[str, str]:
+    """The environment of a Ray node we start (`head_env`), without RAY_ADDRESS, with token
+    authentication on and the token read from `token_path` (this head's own, made by `start`).
+    The path is explicit so a token another cluster left in ~/.ray/auth_token (Ray 2.60's plain
+    `ray.init()` writes one) or a RAY_AUTH_TOKEN in the user's shell is never used by our nodes:
+    both once locked every stage out ("ray head did not come up").  RAY_AUTH_MODE=disabled in
+    our environment turns authentication off, for the nodes and our client alike (with a warning)."""
     env = head_env()
-    env.pop("RAY_ADDRESS", None)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", TOKEN_PATH):
+        env.pop(name, None)
+    if token_path is None:
+        env[AUTH_MODE] = "disabled"
+    else:
+        env.update({AUTH_MODE: "token", TOKEN_PATH: str(token_path)})
     return env
+
+
+def auth_headers(environ=None) -> dict[str, str]:
+    """The Authorization header for the job server of the cluster our environment names: the
+    token at RAY_AUTH_TOKEN_PATH (what `use_head` sets for a head we started, and the SLURM
+    template for its cluster), else RAY_AUTH_TOKEN; empty when authentication is off or neither
+    is set (Ray's client then looks for ~/.ray/auth_token itself).  Passed to every
+    JobSubmissionClient explicitly: Ray's own loader caches the first token it read per process,
+    which is the wrong one once a process has talked to two heads."""
+    env = os.environ if environ is None else environ
+    if auth_disabled(env):
+        return {}
+    token = Path(env[TOKEN_PATH]).read_text().strip() if env.get(TOKEN_PATH) else env.get("RAY_AUTH_TOKEN", "").strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def job_client(address: str):
+    """A JobSubmissionClient for `address` that sends our token (`auth_headers`)."""
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address, headers=auth_headers() or None)
 
 
 class LocalRayHead:
@@ -95,6 +139,26 @@ class LocalRayHead:
         # pipeline, a parallel test) and died when that one stopped ("Owner's node has crashed").
         # Short and under /tmp: Ray's Unix socket paths live inside and are limited to 107 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp")
+        # its token: 0600 in a 0700 dir of its own (Ray makes its temp dir world-writable), removed with the head
+        self.token_path = None if auth_disabled() else new_token_file(tempfile.mkdtemp(prefix="rlhf-ray-auth-"))
+
+    @property
+    def auth_env(self) -> dict[str, str]:
+        """What a client of this head needs in its environment (`use_head`, `auth_headers`)."""
+        return {AUTH_MODE: "disabled"} if self.token_path is None else {AUTH_MODE: "token", TOKEN_PATH: str(self.token_path)}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.auth_env)
+
+    def client(self):
+        """A JobSubmissionClient of this head, with its token."""
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.job_address, headers=self.headers or None)
+
+    def _get(self, path: str, timeout: float):
+        return urllib.request.urlopen(urllib.request.Request(self.job_address + path, headers=self.headers), timeout=timeout)
 
     @property
     def job_address(self) -> str:
@@ -111,7 +175,10 @@ class LocalRayHead:
         # a head that is still shutting down, or a second pipeline on the same host
         ports = iter(self._ports)
         cmd += [f"--{flag}={next(ports)}" for flag in PORT_FLAGS]
-        env = ray_node_env()  # job drivers and workers inherit the head's environment: never all of ours
+        if self.token_path is None:
+            log.warning("Ray token authentication is off (RAY_AUTH_MODE=disabled): any local user can submit jobs to this "
+                        "head, i.e. run code as you, and read their environment")
+        env = ray_node_env(self.token_path)  # job drivers and workers inherit the head's environment: never all of ours
         env.update({
             "RAY_USAGE_STATS_ENABLED": "0",
             # Ray 2.60's `ray start` replaces --node-ip-address=127.0.0.1 by the host's address
@@ -145,7 +212,7 @@ class LocalRayHead:
                "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}",
                *[f"--{flag}={port}" for flag, port in zip(("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                                                          "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"), ports)]]
-        env = ray_node_env()
+        env = ray_node_env(self.token_path)
         env.update({"RAY_USAGE_STATS_ENABLED": "0"})
         self.nodes.append(watchdog.spawn(["head", "--", *cmd], stdout=self.log_file, stderr=subprocess.STDOUT, env=env))
         deadline = time.time() + timeout
@@ -159,19 +226,17 @@ class LocalRayHead:
 
     def _alive_nodes(self) -> int:
         try:
-            with urllib.request.urlopen(f"{self.job_address}/nodes?view=summary", timeout=5) as r:
+            with self._get("/nodes?view=summary", timeout=5) as r:
                 return sum(1 for n in json.loads(r.read())["data"]["summary"] if n["raylet"]["state"] == "ALIVE")
         except (OSError, KeyError, ValueError):
             return 0
 
     def _job_server_up(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.job_address}/api/version", timeout=2) as r:
+            with self._get("/api/version", timeout=2) as r:
                 return r.status == 200
         except urllib.error.HTTPError as e:
-            # token authentication (RAY_AUTH_MODE=token, see ray_node_env): the server is up and
-            # wants the token, which Ray's job client sends by itself
-            return e.code in (401, 403)
+            return e.code in (401, 403)  # up, and it does not take our token: the job client will say so
         except OSError:
             return False
 
@@ -190,6 +255,8 @@ class LocalRayHead:
         self._stop_watchdog(self.proc, timeout)
         self.proc = None
         shutil.rmtree(self.temp_dir, ignore_errors=True)  # the watchdog did; unless it could not
+        if self.token_path is not None:
+            shutil.rmtree(self.token_path.parent, ignore_errors=True)
         log.info("stopped local Ray head")
 
     @staticmethod
@@ -223,6 +290,25 @@ def cluster_job_address() -> str | None:
 
 
 @contextlib.contextmanager
+def use_head(head: LocalRayHead):
+    """While the block runs, our environment names `head`'s token (RAY_AUTH_MODE,
+    RAY_AUTH_TOKEN_PATH: a path, never the token), so our job client, the job guard and every
+    `rlhf stage run` started from here authenticate to it; the previous values come back after."""
+    saved = {k: os.environ.get(k) for k in (AUTH_MODE, TOKEN_PATH, "RAY_AUTH_TOKEN")}
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.pop(TOKEN_PATH, None)
+    os.environ.update(head.auth_env)
+    try:
+        yield head
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def job_server():
     """Yield the job-submission address: the cluster at `RAY_ADDRESS`, or a fresh embedded head,
     stopped afterwards (and killed with us, should we die first)."""
@@ -230,7 +316,7 @@ def job_server():
     if address:
         yield address
         return
-    with LocalRayHead() as head:
+    with LocalRayHead() as head, use_head(head):
         yield head.job_address
 
 
@@ -242,7 +328,7 @@ def shared_head():
     if cluster_job_address():
         yield os.environ["RAY_ADDRESS"]
         return
-    with LocalRayHead() as head:
+    with LocalRayHead() as head, use_head(head):
         os.environ["RAY_ADDRESS"] = head.job_address
         try:
             yield head.job_address

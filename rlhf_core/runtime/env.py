@@ -8,12 +8,16 @@ plus the job's `runtime_env` variables on top.  The embedded head is therefore s
 offline flags, Ray and vLLM settings), and nothing that looks like a secret -- an API key, a token,
 a password in the shell that started the pipeline stays there.
 
-`RLHF_FORWARD_ENV=NAME,NAME` passes further variables by name, secrets included, as an explicit
-choice (e.g. `HF_TOKEN` for a gated hub model).
+`RLHF_FORWARD_ENV=NAME,NAME` passes further variables by name, as an explicit choice (e.g.
+`HF_TOKEN` for a gated hub model): a plain one in the job's environment, a secret-looking one
+(and a credential in a config setting) through a 0600 file whose path the job gets
+(`write_secrets_file`), never in the head's environment or the job's runtime_env.
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 NAMES = {
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
@@ -41,12 +45,61 @@ def extra_names(environ=None) -> list[str]:
 
 
 def allowed(name: str, environ=None) -> bool:
-    if name in extra_names(environ):
-        return True
-    return (name in NAMES or name.startswith(PREFIXES)) and not looks_secret(name)
+    """Whether `name` may be in a Ray process's environment: allow-listed or named in
+    RLHF_FORWARD_ENV, and not a secret (those go through the secrets file)."""
+    if looks_secret(name):
+        return False
+    return name in NAMES or name.startswith(PREFIXES) or name in extra_names(environ)
 
 
 def head_env(environ=None) -> dict[str, str]:
     """The allow-listed part of `environ` (default ours), for a Ray head we start."""
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if allowed(k, environ)}
+
+
+# --- secrets a job needs: by a 0600 file's path, never in its runtime_env -------------------
+
+SECRETS_FILE = "RLHF_SECRETS_FILE"
+"""The job's environment names the file (a path is no secret); Ray's job API shows a job's
+runtime_env to anyone who can reach the dashboard, so the values themselves never go there."""
+SETUP_HOOK = "rlhf_core.runtime.env.apply_job_secrets"
+"""Ray's worker_process_setup_hook for a job with environment secrets: every worker process of
+the job (the actors) runs it before any task."""
+
+
+def private_dir(path: Path) -> Path:
+    """`path` created 0700 (parents as usual), and made 0700 if it already existed."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def write_private(path: Path, text: str) -> Path:
+    """`text` into a new file `path` created 0600: readable by its owner only from the first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def write_secrets_file(directory: Path, name: str, config: dict[str, str], env: dict[str, str]) -> Path | None:
+    """{"config": {dotted key: value}, "env": {NAME: value}} in DIRECTORY/NAME.json (dir 0700, file
+    0600), or None when there is nothing secret to pass."""
+    if not config and not env:
+        return None
+    return write_private(private_dir(directory) / f"{name}.json", json.dumps({"config": config, "env": env}))
+
+
+def read_secrets_file(environ=None) -> dict:
+    """The job's secrets ({"config": ..., "env": ...}; empty parts when it has none)."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(SECRETS_FILE)
+    data = json.loads(Path(path).read_text()) if path else {}
+    return {"config": data.get("config", {}), "env": data.get("env", {})}
+
+
+def apply_job_secrets() -> None:
+    """Put the job's environment secrets (e.g. HF_TOKEN named in RLHF_FORWARD_ENV) into this
+    process's environment: the job driver calls it, Ray runs it in every worker (SETUP_HOOK)."""
+    os.environ.update(read_secrets_file()["env"])

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shlex
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_core import atomic, registry
 from rlhf_core.config import config_secrets
-from rlhf_core.runtime.env import allowed, extra_names
+from rlhf_core.runtime.cluster import job_client
+from rlhf_core.runtime.env import SECRETS_FILE, SETUP_HOOK, allowed, extra_names, looks_secret, write_secrets_file
 
 log = logging.getLogger("rlhf.jobs")
 
@@ -31,7 +32,46 @@ def write_resolved_config(stage: str, config: dict, output_dir: str | Path) -> P
     return atomic.write_json(Path(output_dir) / "config.resolved.json", {"stage": stage, "config": config})
 
 
-def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | None, submission_id: str) -> str:
+SECRETS_DIR = Path(".rlhf") / "secrets"
+"""Under the project directory (the job runs there, on a cluster's shared file system too): one
+0600 file per job with secrets, removed when the job ends."""
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """What a job needs that must not be readable through the job API: the config's credentials
+    (redacted in config.resolved.json) and secret-looking variables named in RLHF_FORWARD_ENV."""
+    config: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg=None) -> "Secrets":
+        env = {k: os.environ[k] for k in extra_names() if k in os.environ and looks_secret(k)}
+        return cls(config_secrets(cfg) if cfg is not None else {}, env)
+
+
+def secrets_path(submission_id: str) -> Path:
+    return (Path.cwd() / SECRETS_DIR / f"{submission_id}.json").resolve()
+
+
+def submit(client, entrypoint: str, env_vars: dict[str, str], submission_id: str, metadata: dict[str, str],
+           secrets: Secrets | None = None) -> str:
+    """Submit `entrypoint` as job `submission_id`.  `secrets` go into a 0600 file whose path the
+    job's environment names (RLHF_SECRETS_FILE; `stage_main` reads it, and Ray's setup hook
+    gives its actors the variables): the job API shows a runtime_env to anyone who can reach
+    the dashboard, so it holds the path only."""
+    runtime_env = {"env_vars": dict(env_vars)}
+    secrets = secrets or Secrets()
+    path = write_secrets_file(secrets_path(submission_id).parent, submission_id, secrets.config, secrets.env)
+    if path:
+        runtime_env["env_vars"][SECRETS_FILE] = str(path)
+        if secrets.env:
+            runtime_env["worker_process_setup_hook"] = SETUP_HOOK
+    return _submit_with_retry(client, entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata, submission_id=submission_id)
+
+
+def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | None, submission_id: str,
+            secrets: Secrets | None = None) -> str:
     cwd = Path.cwd().resolve()
     python = f"{shlex.quote(sys.executable)} -u -m {registry.get(stage).module}"
     entrypoint = f"cd {shlex.quote(str(cwd))} && {python} --config {shlex.quote(str(config_path.resolve()))}"
@@ -40,8 +80,7 @@ def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | No
     # lets the job see that another run on the directory replaced the file before it got the lock.
     env = {"PYTHONUNBUFFERED": "1", **(env_vars or {}), "RLHF_RAY_JOB_ID": submission_id,
            "RLHF_CONFIG_SHA256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
-    job_id = _submit_with_retry(client, entrypoint=entrypoint, runtime_env={"env_vars": env}, metadata={"stage": stage},
-                                submission_id=submission_id)
+    job_id = submit(client, entrypoint, env, submission_id, {"stage": stage}, secrets)
     log.info("submitted %s as Ray job %s", stage, job_id)
     return job_id
 
@@ -50,31 +89,29 @@ def new_submission_id(stage: str) -> str:
     return f"rlhf-{stage.replace('@', '-')}-{uuid.uuid4().hex[:12]}"
 
 
-def submit_detached(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None) -> str:
-    """Submit the stage job and return its id at once; it runs on when this process ends."""
-    from ray.job_submission import JobSubmissionClient
-
-    return _submit(JobSubmissionClient(address), stage, config_path, env_vars, new_submission_id(stage))
+def submit_detached(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None,
+                    secrets: Secrets | None = None) -> str:
+    """Submit the stage job and return its id at once; it runs on when this process ends (its
+    driver removes its secrets file when it ends)."""
+    return _submit(job_client(address), stage, config_path, env_vars, new_submission_id(stage), secrets)
 
 
 def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[str, str] | None = None,
-                    poll_s: float = 1.0, out=sys.stdout, guard: bool = True) -> str:
+                    poll_s: float = 1.0, out=sys.stdout, guard: bool = True, secrets: Secrets | None = None) -> str:
     """Submit the stage job to the job server at `address`, stream its logs to `out`, and
     return the job id; raise `JobFailed` with the job's message and log tail on failure.
     Ctrl-C stops the job before re-raising.  `guard`: a watchdog in a session of its own stops the
     job if this process dies before the job ends, however it dies (off for an embedded head,
     whose own watchdog takes every job along)."""
-    from ray.job_submission import JobSubmissionClient
-
     from rlhf_core.runtime import watchdog
 
-    client = JobSubmissionClient(address)
+    client = job_client(address)
     submission_id = new_submission_id(stage)
     # started before the submission: a kill in between must not leave the job running
     guard_proc = watchdog.spawn(["job", address, submission_id]) if guard else None
     ended = False
     try:
-        job_id = _submit(client, stage, config_path, env_vars, submission_id)
+        job_id = _submit(client, stage, config_path, env_vars, submission_id, secrets)
         try:
             _wait(client, stage, job_id, poll_s, out)
         except JobFailed:  # ended by itself
@@ -93,6 +130,8 @@ def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[
         if guard_proc is not None and ended:
             guard_proc.terminate()
             guard_proc.wait()
+        if ended:  # the job's driver removes it too; a job still running (we died) still needs it
+            secrets_path(submission_id).unlink(missing_ok=True)
 
 
 def _wait(client, stage: str, job_id: str, poll_s: float, out) -> str:
@@ -127,21 +166,12 @@ def _submit_with_retry(client, timeout: float = 120.0, **kwargs) -> str:
             delay = min(delay * 2, 5.0)
 
 
-SECRETS_ENV = "RLHF_CONFIG_SECRETS"
-
-
-def secrets_env(cfg) -> dict[str, str]:
-    """The config's credentials (redacted in `config.resolved.json`) for the job's environment,
-    where `stage_main` puts them back; empty when it has none."""
-    secrets = config_secrets(cfg)
-    return {SECRETS_ENV: json.dumps(secrets)} if secrets else {}
-
-
 def forward_env() -> dict[str, str]:
     """Environment the job needs from ours (threading, offline flags, fault injection, run ids):
-    an allow-list, never secrets; plus what `RLHF_FORWARD_ENV` names (`runtime/env.py`)."""
+    an allow-list, never secrets (`Secrets` carries those); plus the plain variables
+    `RLHF_FORWARD_ENV` names (`runtime/env.py`)."""
     keys = ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "RLHF_FAULT", "RLHF_FAULT_ONCE", "RLHF_PREFECT_FLOW_RUN_ID",
             "RLHF_PREFECT_TASK_RUN_ID", *extra_names())
-    # W&B's settings (mode, project, entity, dir...) for report_to=wandb; its API key only if named
-    wandb = [k for k in os.environ if k.startswith("WANDB_") and allowed(k)]
-    return {k: os.environ[k] for k in (*keys, *wandb) if k in os.environ}
+    # W&B's settings (mode, project, entity, dir...) for report_to=wandb; its API key through `Secrets`
+    wandb = [k for k in os.environ if k.startswith("WANDB_")]
+    return {k: os.environ[k] for k in (*keys, *wandb) if k in os.environ and allowed(k)}

@@ -170,12 +170,12 @@ def run_job(parent: int, address: str, job_id: str, window: float) -> int:
     if done:
         return 0
     _say(f"parent {parent} is gone: stopping Ray job {job_id} at {address}")
-    from ray.job_submission import JobSubmissionClient
+    from rlhf_core.runtime.cluster import job_client
 
     deadline = time.time() + window
     while True:
         try:
-            JobSubmissionClient(address).stop_job(job_id)  # False: it had already ended
+            job_client(address).stop_job(job_id)  # False: it had already ended
             return 0
         except Exception as e:  # not (yet) known to the server, or the server is unreachable
             if time.time() > deadline:

@@ -18,6 +18,7 @@ from rlhf_core.data.tokenize import chat_ids, pad_batch, prompt_ids, prompt_resp
 from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.models import load as models_load
 from rlhf_core.runtime import stage_lock
+from rlhf_core.runtime.env import SECRETS_FILE, read_secrets_file
 from rlhf_core.training.config import TrainConfig
 
 log = logging.getLogger("rlhf.stage")
@@ -61,7 +62,7 @@ def response_text(row: dict) -> str:
 
 def load_data(path: str, kind: str, cfg: TrainConfig, rejects_path: Path) -> list[dict]:
     keys = {"prompt": cfg.input_key, "response": cfg.output_key, "label": cfg.label_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
-    images = ImageRules(tuple(cfg.image_modes.split(",")), cfg.max_image_pixels, cfg.max_image_bytes)
+    images = ImageRules(tuple(cfg.image_modes.split(",")), cfg.max_image_pixels, cfg.max_image_bytes, cfg.image_root)
     result = load_rows(path, kind, rejects_path=rejects_path, max_chars=cfg.max_chars, max_reject_ratio=cfg.max_reject_ratio, keys=keys,
                        image_rules=images)
     if result.num_rejected:
@@ -156,9 +157,11 @@ def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     raw = Path(args.config).read_bytes()
     data = json.loads(raw)
-    # the file has credentials redacted; `rlhf stage run` passed the real ones in the environment
-    secrets = json.loads(os.environ.get("RLHF_CONFIG_SECRETS") or "{}")
-    cfg = from_dict(cls, restore_secrets(data.get("config", data), secrets), prefix=f"{section}.")
+    # the file has credentials redacted; `rlhf stage run` passed the real ones in a 0600 file
+    # (runtime/env.py), with any secret variables the job was asked to forward
+    secrets = read_secrets_file()
+    os.environ.update(secrets["env"])
+    cfg = from_dict(cls, restore_secrets(data.get("config", data), secrets["config"]), prefix=f"{section}.")
     output_dir = getattr(cfg, "output_dir", None) if needs_ray else None  # prepare writes data/ and base/ in-process
     if output_dir:
         try:
@@ -186,6 +189,8 @@ def stage_main(cls, section: str, run, argv: list[str] | None = None, needs_ray:
     finally:
         if output_dir:
             stage_lock.release(output_dir)
+        if os.environ.get(SECRETS_FILE):  # read by now (driver and actors): gone with the job
+            Path(os.environ[SECRETS_FILE]).unlink(missing_ok=True)
 
 
 # --- preference pairs (rm, dpo) -------------------------------------------------------------

@@ -8,9 +8,11 @@ from typing import Literal
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model_path: str | None = None
-    """Start model (HF dir or hub id); default: the upstream stage's `model/`."""
+    """Start model: a local HF dir (one that does not exist is an error, never a hub lookup) or a
+    hub id written `hf://ORG/NAME[@REVISION]`; default: the upstream stage's `model/`."""
     train_data: str = ""
-    """Training data file (JSONL/Parquet/HF datasets dir)."""
+    """Training data: a local JSONL/Parquet file or HF datasets dir, or a hub dataset
+    `hf://NAME[@REVISION][:SPLIT]` (split default `train`)."""
     eval_data: str = ""
     """Held-out eval data."""
     output_dir: str = ""
@@ -82,6 +84,11 @@ class TrainConfig:
     max_image_pixels: int = 2048 * 2048
     """Images with more pixels are rejected (a decompression bomb never gets decoded)."""
     max_image_bytes: int = 20 * 1024 * 1024
+    image_root: str = ""
+    """The directory image paths must resolve inside (`..` and symlinks followed): a row pointing
+    elsewhere -- an absolute path, `../..`, a symlink out -- is rejected with the reason, like a
+    missing image.  Empty: the data file's own directory (`data/images/` beside `data/*.jsonl`
+    passes).  A hub dataset's (`hf://NAME`) image paths need it (relative to it)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
     resume: bool = True

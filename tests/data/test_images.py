@@ -78,3 +78,88 @@ def test_image_bytes_in_parquet_and_the_size_limit(tmp_path):
                        image_rules=ImageRules(max_bytes=4000))
     assert len(result.rows) == 1 and isinstance(result.rows[0]["images"][0], bytes)
     assert "bytes, over max_image_bytes=4000" in json.loads((tmp_path / "rejects.jsonl").read_text())["reason"]
+
+
+def test_image_paths_are_confined_to_the_data_directory(tmp_path):
+    """An image path that resolves outside the data file's directory -- `..`, an absolute path, a
+    symlink pointing out -- is rejected with its reason and counted, never read; inside ones load."""
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png())
+    data_dir = tmp_path / "data"
+    (data_dir / "images").mkdir(parents=True)
+    (data_dir / "images" / "in.png").write_bytes(png())
+    (data_dir / "images" / "link_out.png").symlink_to(outside)
+    (data_dir / "images" / "link_in.png").symlink_to(data_dir / "images" / "in.png")
+    (data_dir / "linked_dir").symlink_to(tmp_path, target_is_directory=True)
+    q = "<image>How many? A:"
+    refs = {"inside": "images/in.png", "inside_absolute": str(data_dir / "images" / "in.png"), "inside_dotdot": "images/../images/in.png",
+            "link_in": "images/link_in.png", "dotdot": "../outside.png", "absolute": str(outside), "link_out": "images/link_out.png",
+            "dir_link_out": "linked_dir/outside.png", "system_file": "/etc/hostname"}
+    data = data_dir / "rl.jsonl"
+    data.write_text("".join(json.dumps({"id": k, "prompt": q, "label": "1", "images": [ref]}) + "\n" for k, ref in refs.items()))
+    rejects = data_dir / "rejects.jsonl"
+    result = load_rows(data, "rl", rejects_path=rejects, max_reject_ratio=1.0)
+    inside = str((data_dir / "images" / "in.png").resolve())
+    assert {r["id"]: r["images"] for r in result.rows} == {k: [inside] for k in ("inside", "inside_absolute", "inside_dotdot", "link_in")}
+    reasons = {json.loads(json.loads(line)["row"])["id"]: json.loads(line)["reason"] for line in rejects.read_text().splitlines()}
+    assert reasons.keys() == {"dotdot", "absolute", "link_out", "dir_link_out", "system_file"} and result.num_rejected == 5
+    for key, reason in reasons.items():
+        assert reason.startswith(f"images[0]: image {refs[key]!r} is outside the data file's directory"), reason
+
+
+def test_image_root_widens_the_allowed_directory(tmp_path):
+    """`image_root` (TrainConfig.image_root) is the allowed root instead of the data's directory:
+    a shared picture store beside several data dirs; outside it stays rejected."""
+    (tmp_path / "pictures").mkdir()
+    (tmp_path / "pictures" / "a.png").write_bytes(png())
+    (tmp_path / "secret.png").write_bytes(png())
+    (tmp_path / "data").mkdir()
+    data = tmp_path / "data" / "rl.jsonl"
+    data.write_text("".join(json.dumps({"id": ref, "prompt": "<image>n? A:", "label": "1", "images": [ref]}) + "\n"
+                            for ref in ("../pictures/a.png", "../secret.png")))
+    rejects = tmp_path / "rejects.jsonl"
+    with pytest.raises(DataError, match="no valid rl rows"):  # by default the data's directory only
+        load_rows(data, "rl", rejects_path=rejects, max_reject_ratio=1.0)
+    result = load_rows(data, "rl", rejects_path=rejects, max_reject_ratio=1.0, image_rules=ImageRules(image_root=str(tmp_path / "pictures")))
+    assert [r["id"] for r in result.rows] == ["../pictures/a.png"]
+    assert "'../secret.png' is outside image_root" in json.loads(rejects.read_text())["reason"]
+
+
+def test_train_config_has_image_root():
+    from rlhf_core.training.config import TrainConfig
+
+    assert TrainConfig().image_root == "" and TrainConfig(image_root="/srv/pictures").image_root == "/srv/pictures"
+
+
+def test_hub_dataset_image_paths_need_image_root(tmp_path, monkeypatch):
+    """A hub dataset (`hf://NAME`) has no directory of its own: its image paths are rejected unless
+    `image_root` is set, and are then relative to it and confined to it."""
+    import datasets
+
+    (tmp_path / "a.png").write_bytes(png())
+    rows = [{"id": ref, "prompt": "<image>n? A:", "label": "1", "images": [ref]} for ref in ("a.png", "../a.png")]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, **kw: rows)
+    rejects = tmp_path / "rejects.jsonl"
+    with pytest.raises(DataError, match="no valid rl rows"):
+        load_rows("hf://org/pictures", "rl", rejects_path=rejects, max_reject_ratio=1.0)
+    assert "needs image_root" in rejects.read_text()
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "a.png").write_bytes(png())
+    rules = ImageRules(image_root=str(tmp_path / "root"))
+    result = load_rows("hf://org/pictures", "rl", rejects_path=rejects, max_reject_ratio=1.0, image_rules=rules)
+    assert [r["images"] for r in result.rows] == [[str((tmp_path / "root" / "a.png").resolve())]]
+    assert "'../a.png' is outside image_root" in json.loads(rejects.read_text())["reason"]
+
+
+def test_load_data_passes_image_root(tmp_path):
+    """A stage's `image_root` reaches the image rules: a picture outside the data dir but under the root loads."""
+    from rlhf_core.training.common import load_data
+    from rlhf_core.training.config import TrainConfig
+
+    (tmp_path / "pictures").mkdir()
+    (tmp_path / "pictures" / "a.png").write_bytes(png())
+    (tmp_path / "data").mkdir()
+    data = tmp_path / "data" / "rl.jsonl"
+    data.write_text(json.dumps({"prompt": "<image>n? A:", "label": "1", "images": ["../pictures/a.png"]}) + "\n")
+    rows = load_data(str(data), "rl", TrainConfig(image_root=str(tmp_path / "pictures")), tmp_path / "rejects.jsonl")
+    assert rows[0]["images"] == [str((tmp_path / "pictures" / "a.png").resolve())]

@@ -104,3 +104,53 @@ def test_key_mapping_reads_openrlhf_style_columns(tmp_path):
         ("hi", "hello", "go away")]
     with pytest.raises(DataError, match="missing key 'good '"):  # a typo in the setting
         load_data(str(pairs), "pref", TrainConfig(input_key="q", chosen_key="good ", rejected_key="bad"), tmp_path / "r3.jsonl")
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """`load_dataset`'s cache in the test's directory, not the user's."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+
+
+def test_hub_dataset_path_loads_through_load_dataset_with_its_split(tmp_path, datasets_cache):
+    """`hf://NAME[:SPLIT]` is `datasets.load_dataset(NAME, split=SPLIT)` (default `train`); here
+    NAME is a local directory of JSONL files, which load_dataset reads offline.  Rows are validated
+    like any file's."""
+    hub = tmp_path / "hubdata"
+    hub.mkdir()
+    _write(hub / "train.jsonl", [GOOD, {"prompt": "Q: 2+2= A:", "response": " 4"}, {"prompt": "Q: 3+3= A:", "response": ""}])
+    _write(hub / "test.jsonl", [{"prompt": "Q: 5+5= A:", "response": " 10"}])
+    rejects = tmp_path / "r.jsonl"
+    res = load_rows(f"hf://{hub}", "sft", rejects_path=rejects, max_reject_ratio=0.5)
+    assert [r["response"] for r in res.rows] == [" 2", " 4"] and res.num_rejected == 1
+    assert json.loads(rejects.read_text())["reason"] == "empty 'response'" and json.loads(rejects.read_text())["source"] == f"hf://{hub}"
+    assert [r["response"] for r in load_rows(f"hf://{hub}:test", "sft", rejects_path=rejects).rows] == [" 10"]
+    with pytest.raises(DataError, match=r"load_dataset\(.*split='validation'.*failed"):
+        load_rows(f"hf://{hub}:validation", "sft", rejects_path=rejects)
+
+
+def test_hub_dataset_name_split_and_revision_reach_load_dataset(tmp_path, monkeypatch):
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, **kw: calls.append((name, kw)) or [GOOD])
+    for path in ("hf://org/data", "hf://org/data:test[:10]", "hf://org/data@v2:validation"):
+        assert load_rows(path, "sft", rejects_path=tmp_path / "r.jsonl").rows == [GOOD]
+    assert calls == [("org/data", {"split": "train", "revision": None}), ("org/data", {"split": "test[:10]", "revision": None}),
+                     ("org/data", {"split": "validation", "revision": "v2"})]
+    with pytest.raises(DataError, match="not a hub dataset"):
+        load_rows("hf://org/data@:test", "sft", rejects_path=tmp_path / "r.jsonl")
+
+
+@pytest.mark.parametrize("typo", ["my-org/missing", "artifact/data/sft.jsonl", "org/data:train"])
+def test_a_missing_local_data_path_is_never_a_hub_lookup(typo, tmp_path, monkeypatch):
+    import datasets
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"load_dataset called for {args}")
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r"no such file or directory \(a local path; a hub dataset is written hf://NAME"):
+        load_rows(typo, "sft", rejects_path=tmp_path / "r.jsonl")

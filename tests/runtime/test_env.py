@@ -3,6 +3,7 @@ credentials redacted (issue 16, item 3).  The head's sockets and its jobs' envir
 checked for real in tests/runtime/test_cluster.py."""
 import base64
 import json
+import os
 import threading
 from http.server import ThreadingHTTPServer
 
@@ -11,7 +12,7 @@ from conftest import JsonHandler
 
 from rlhf_core.config import config_hash, config_secrets, config_to_dict, redact_url, restore_secrets
 from rlhf_core.runtime import env as E
-from rlhf_core.runtime.jobs import forward_env, secrets_env
+from rlhf_core.runtime.jobs import Secrets, forward_env
 from stages.rl import Config
 
 pytestmark = pytest.mark.unit
@@ -27,8 +28,8 @@ def test_head_env_is_an_allow_list_without_secrets():
     kept = E.head_env(environ)
     assert set(kept) == {"PATH", "HOME", "LC_ALL", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "RAY_AUTH_TOKEN_PATH",
                          "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "WANDB_MODE"}
-    # an explicit choice passes a named variable, secret or not
-    assert E.head_env({**environ, "RLHF_FORWARD_ENV": "HF_TOKEN, PIP_CERT"}).keys() == kept.keys() | {"HF_TOKEN", "PIP_CERT"}
+    # an explicit choice passes a named plain variable; a named secret goes through the job's secrets file instead
+    assert E.head_env({**environ, "RLHF_FORWARD_ENV": "HF_TOKEN, PIP_CERT"}).keys() == kept.keys() | {"PIP_CERT"}
 
 
 def test_jobs_get_an_allow_list(monkeypatch):
@@ -36,8 +37,11 @@ def test_jobs_get_an_allow_list(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.delenv("RLHF_FORWARD_ENV", raising=False)
     assert SECRET not in json.dumps(forward_env()) and forward_env()["OMP_NUM_THREADS"] == "3"
-    monkeypatch.setenv("RLHF_FORWARD_ENV", "RLHF_TEST_API_KEY")
-    assert forward_env()["RLHF_TEST_API_KEY"] == SECRET
+    monkeypatch.setenv("RLHF_FORWARD_ENV", "RLHF_TEST_API_KEY,PIP_CERT")
+    monkeypatch.setenv("PIP_CERT", "/etc/ca.pem")
+    # named: a secret travels in the secrets file (Secrets), never in the job's runtime_env; a plain one in it
+    assert "RLHF_TEST_API_KEY" not in forward_env() and forward_env()["PIP_CERT"] == "/etc/ca.pem"
+    assert Secrets.of().env == {"RLHF_TEST_API_KEY": SECRET}
 
 
 def test_credentials_in_urls_are_redacted_in_every_file_and_restored_in_the_job():
@@ -49,11 +53,10 @@ def test_credentials_in_urls_are_redacted_in_every_file_and_restored_in_the_job(
     written = config_to_dict(cfg)  # what config.resolved.json, manifests and `rlhf config show` hold
     assert SECRET not in json.dumps(written) and written["reward_url"] == redact_url(url)
     assert config_hash(cfg) == config_hash(Config(reward_url=redact_url(url)))  # no hash of a password either
-    env = secrets_env(cfg)  # handed to the job through its environment ...
-    assert json.loads(env["RLHF_CONFIG_SECRETS"]) == {"reward_url": url} == config_secrets(cfg)
+    assert Secrets.of(cfg).config == {"reward_url": url} == config_secrets(cfg)  # handed to the job in a 0600 file ...
     assert restore_secrets(written, config_secrets(cfg))["reward_url"] == url  # ... and put back there
     assert restore_secrets({**written, "reward_url": "http://other/score"}, config_secrets(cfg))["reward_url"] == "http://other/score"
-    assert secrets_env(Config()) == {}
+    assert Secrets.of(Config()).config == {}
 
 
 def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeypatch):
@@ -66,10 +69,15 @@ def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeyp
     resolved = tmp_path / "config.resolved.json"
     resolved.write_text(json.dumps({"stage": "rl", "config": config_to_dict(Config(reward_url=url, output_dir=str(tmp_path / "out")))}))
     seen = {}
-    monkeypatch.setenv("RLHF_CONFIG_SECRETS", json.dumps({"reward_url": url}))
+    path = E.write_secrets_file(tmp_path / "secrets", "job-1", {"reward_url": url}, {"RLHF_TEST_TOKEN": SECRET})
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv(E.SECRETS_FILE, str(path))
     monkeypatch.delenv("RLHF_CONFIG_SHA256", raising=False)
-    common.stage_main(Config, "rl", lambda cfg: seen.update(url=cfg.reward_url), ["--config", str(resolved)], needs_ray=False)
-    assert seen["url"] == url and SECRET not in resolved.read_text()
+    monkeypatch.delenv("RLHF_TEST_TOKEN", raising=False)
+    common.stage_main(Config, "rl", lambda cfg: seen.update(url=cfg.reward_url, token=os.environ.get("RLHF_TEST_TOKEN")),
+                      ["--config", str(resolved)], needs_ray=False)
+    assert seen == {"url": url, "token": SECRET} and SECRET not in resolved.read_text()
+    assert not path.exists()  # the job removes its secrets file when it ends
 
     out = tmp_path / "artifact"
     out.mkdir()
