@@ -23,10 +23,11 @@ from pathlib import Path
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import flow_run, task_run
+from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed, State
 
 from flows import promotion, report
+from flows.overrides import allowed_from_env, check_overrides, check_repo
 from rlhf_core import atomic, registry
 
 
@@ -240,8 +241,12 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
     """Run the DVC pipeline stage by stage.  `stages`: which to run (default all, in DAG order);
     `overrides`: `SECTION.KEY=VALUE` params; `repo`: the project directory (the data location is
     its `data/`, a DVC-tracked output of `prepare`); `retries`: per stage, for transient failures
-    (a retried stage resumes from its checkpoint)."""
+    (a retried stage resumes from its checkpoint).  From a deployment, overrides naming code or
+    paths outside the repository are refused (`flows/overrides.py`; `rlhf serve --allow-override`)."""
     root = Path(repo).resolve()
+    from_deployment = bool(deployment.id)
+    check_repo(root, from_deployment)  # before anything is read or written (the lock file included)
+    check_overrides(overrides, root, from_deployment, allowed_from_env())
     from rlhf_core.runtime.cluster import shared_head
 
     # the lock comes first: a second run is refused before it reads (or rewrites) anything

@@ -5,9 +5,10 @@
                                           --detach: submit to RAY_ADDRESS and exit
   rlhf pipeline run [--stages ...]        the Prefect flow over the DVC DAG (unchanged stages skipped)
   rlhf pipeline report [--out FILE]       a static HTML page: stages, metrics, curves, champion lineage
-  rlhf serve [--port 4200]                local Prefect server + deployments (full, nightly cron)
+  rlhf serve [--port 4200]                local Prefect server (API auth: .prefect/api-auth) + deployments (full, nightly cron)
   rlhf rollouts show PATH                 summary of RL rollout Parquet
-  rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1 (for rl.reward_url; OpenRLHF clients: /get_reward)
+  rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1, bearer token in .rlhf/reward-server.token
+                                          (for rl.reward_url + rl.reward_token_file; OpenRLHF clients: /get_reward)
   rlhf lineage show PATH                  the artifact's ancestry back to raw data, code and config
   rlhf lineage verify PATH                re-hash the whole chain; non-zero exit on any mismatch
   rlhf config show STAGE [--set k=v ...]  the resolved config of a stage, as JSON
@@ -62,7 +63,7 @@ def _sigterm_as_interrupt() -> None:
 def cmd_stage_run(args) -> int:
     from rlhf_core.runtime import stage_lock
     from rlhf_core.runtime.cluster import cluster_job_address, job_server
-    from rlhf_core.runtime.jobs import JobFailed, forward_env, secrets_env, submit_and_wait, submit_detached, write_resolved_config
+    from rlhf_core.runtime.jobs import JobFailed, Secrets, forward_env, submit_and_wait, submit_detached, write_resolved_config
 
     cfg = _resolve(args.stage, args)
     address = cluster_job_address()
@@ -74,9 +75,10 @@ def cmd_stage_run(args) -> int:
         print(f"rlhf: {e}", file=sys.stderr)
         return 3
     path = write_resolved_config(args.stage, config_to_dict(cfg), cfg.output_dir)  # credentials redacted
-    env = {**forward_env(), **secrets_env(cfg)}  # ... and handed to the job through its environment
+    # ... and handed to the job in a 0600 file by path, never through its runtime_env
+    env, secrets = forward_env(), Secrets.of(cfg)
     if args.detach:
-        job_id = submit_detached(address, args.stage, path, env)
+        job_id = submit_detached(address, args.stage, path, env, secrets)
         print(f"submitted {args.stage} as Ray job {job_id} (detached: it runs on without this command)\n"
               f"  follow: ray job logs --address {address} --follow {job_id}\n"
               f"  status: ray job status --address {address} {job_id}\n"
@@ -87,7 +89,7 @@ def cmd_stage_run(args) -> int:
         # killed outright (SIGKILL, OOM), the command still takes its work along: a watchdog
         # stops the job on a cluster; an embedded head's watchdog kills the head with every job in it
         with job_server() as job_address:
-            submit_and_wait(job_address, args.stage, path, env, guard=bool(address))
+            submit_and_wait(job_address, args.stage, path, env, guard=bool(address), secrets=secrets)
     except JobFailed as e:
         print(f"rlhf: {e}", file=sys.stderr)
         return 1
@@ -141,7 +143,7 @@ def cmd_pipeline_report(args) -> int:
 def cmd_serve(args) -> int:
     from flows.serve import serve
 
-    serve(args.repo, args.port, args.cron)
+    serve(args.repo, args.port, args.cron, auth=not args.no_auth, allow_overrides=args.allow_override)
     return 0
 
 
@@ -155,7 +157,7 @@ def cmd_rollouts_show(args) -> int:
 def cmd_serve_reward(args) -> int:
     from rlhf_core.rollout.reward_server import serve
 
-    serve(args.model, args.host, args.port)
+    serve(args.model, args.host, args.port, token_file=args.token_file, auth=not args.no_auth)
     return 0
 
 
@@ -190,8 +192,12 @@ def _inspection_commands(sub) -> None:
 
     p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score; OpenRLHF's POST /get_reward) for rl.reward_url")
     p.add_argument("model", help="reward model dir, e.g. artifacts/rm/model")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; the server has no auth)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; plain HTTP: put TLS in front to expose it)")
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--token-file", default=".rlhf/reward-server.token",
+                   help="bearer token file (0600), made at the first start and reused; clients: rl.reward_token_file=PATH "
+                        "(default: .rlhf/reward-server.token)")
+    p.add_argument("--no-auth", action="store_true", help="serve without a token (anyone who can reach the port may score)")
     p.set_defaults(func=cmd_serve_reward)
 
     config = sub.add_parser("config", help="inspect configs").add_subparsers(dest="config_command", required=True)
@@ -254,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repo", default=".")
     p.add_argument("--port", type=int, default=4200)
     p.add_argument("--cron", default="0 2 * * *", help="nightly schedule (default 02:00)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="start the local Prefect server without API auth (default: basic auth, the string in REPO/.prefect/api-auth)")
+    p.add_argument("--allow-override", action="append", default=[], metavar="KEY",
+                   help="let deployment flow runs override KEY (e.g. rl.reward_file, or reward_file for every section), which is "
+                        "refused by default for keys naming code, files, URLs or paths outside the repo; repeatable")
     p.set_defaults(func=cmd_serve)
 
     _inspection_commands(sub)

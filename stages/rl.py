@@ -142,6 +142,9 @@ class Config(TrainConfig):
     reward_url: str | None = None
     """A reward server (`rlhf serve-reward`), e.g. http://127.0.0.1:8765/score, or an OpenRLHF remote
     reward server (http://host:5000/get_reward)."""
+    reward_token_file: str = ""
+    """File holding the reward server's bearer token (`rlhf serve-reward` writes it, mode 0600, at
+    .rlhf/reward-server.token), sent as `Authorization: Bearer ...`; the path is recorded, never the token."""
     reward_url_protocol: Literal["auto", "rlhf", "openrlhf"] = "auto"
     """rlhf: POST /score with token ids; openrlhf: OpenRLHF's `{"query", "prompts", "labels"}` ->
     `{"rewards", "scores", "extra_logs"}`; auto: openrlhf when the URL ends in /get_reward."""
@@ -290,7 +293,7 @@ def reward_actor(cfg: Config, placement: dict, pad_id: int, threads: int):
     absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
     return ray.remote(RewardWorker).options(**placement).remote(
         absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
-        cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads, cfg.reward_url_protocol)
+        cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads, cfg.reward_url_protocol, absolute(cfg.reward_token_file) or None)
 
 
 class Roles:

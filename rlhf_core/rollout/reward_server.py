@@ -4,49 +4,139 @@ POST /score  {"prompts": [...], "responses": [...], "labels": [...], "token_ids"
           -> {"rewards": [...]}
 POST /get_reward  OpenRLHF's remote reward protocol: {"query": [prompt + response, ...], "prompts": [...]}
           -> {"rewards": [...], "scores": [...], "extra_logs": {}}
-GET  /health -> {"status": "ok", "model": PATH}
+GET  /health -> {"status": "ok", "auth": "bearer"}  (+ "model": PATH with the token)
+
+Both POSTs need `Authorization: Bearer TOKEN` (401 + `WWW-Authenticate: Bearer` otherwise): the
+token is made at the first start (`secrets.token_urlsafe(32)`) and kept in a 0600 file (directory
+0700; default `.rlhf/reward-server.token`), reused by later starts; the rl stage reads it with
+`rl.reward_token_file=PATH`.  It is never logged.  `--no-auth` turns this off (with a warning).
 
 With `token_ids` the model scores exactly those ids (token in, token out); without them it
 tokenizes prompt + response (for /get_reward: the query, split after its prompt where the prompt
 is given and begins it, so both paths tokenize a sample alike).  Binding anywhere but loopback is the user's explicit choice: the
-server has no authentication, so put it behind an authenticating proxy before exposing it.
+token travels in plain HTTP, so put a TLS-terminating proxy in front before exposing it.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import os
+import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("rlhf.reward_server")
 
+DEFAULT_TOKEN_FILE = ".rlhf/reward-server.token"
+MAX_DRAIN = 64 << 20  # an unauthorised request's body read (and dropped) so its client sees the 401
 
-def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_batch: int = 512) -> ThreadingHTTPServer:
+
+def read_secret_file(path: str | Path, what: str = "token file") -> str:
+    """The secret in `path`, stripped.  A missing or empty file is an error naming it (never its
+    content); a file group or others can read is used with a warning."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        text = p.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {p} does not exist") from None
+    if mode & 0o077:
+        log.warning("%s %s can be read by group/others (mode %03o): run `chmod 600 %s`", what, p, mode & 0o777, p)
+    if not text.strip():
+        raise ValueError(f"{what} {p} is empty")
+    return text.strip()
+
+
+def secret_file(path: str | Path, generate: Callable[[], str], what: str = "token file") -> tuple[str, bool]:
+    """(secret, created): the secret in `path`, or a new `generate()` written there -- mode 0600
+    from its creation (O_EXCL on a temp name beside it, then linked into place, so no reader ever
+    sees it half-written or with wider permissions, and two starters never overwrite each other),
+    its directory created 0700."""
+    p = Path(path)
+    if p.exists():
+        return read_secret_file(p, what), False
+    p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    secret = generate()
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # the umask can only narrow the mode; this names it exactly
+            f.write(secret + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, p)  # atomic, and never over a file another start wrote meanwhile
+        except FileExistsError:
+            return read_secret_file(p, what), False
+        except OSError:  # a filesystem without hard links
+            os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return secret, True
+
+
+UNAUTHORIZED = {"error": "unauthorized: send `Authorization: Bearer TOKEN`, TOKEN being the content of the server's token file "
+                         "(rl stage: rl.reward_token_file=PATH)"}
+
+
+def authorized(headers, expected: bytes | None) -> bool:
+    """Whether the request's `Authorization: Bearer ...` is `expected` (None: no auth), compared in
+    constant time."""
+    if expected is None:
+        return True
+    scheme, _, given = (headers.get("Authorization") or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"), expected)
+
+
+def drain(handler: BaseHTTPRequestHandler) -> None:
+    """Read and drop a refused request's body (up to MAX_DRAIN)."""
+    try:
+        left = min(int(handler.headers.get("Content-Length") or 0), MAX_DRAIN)
+    except ValueError:
+        left = 0
+    while left > 0 and (chunk := handler.rfile.read(min(left, 1 << 16))):
+        left -= len(chunk)
+
+
+def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_batch: int = 512, *,
+                token: str | None) -> ThreadingHTTPServer:
+    """`token`: the bearer token both POSTs require; None (say it explicitly) serves without auth."""
     from rlhf_core.models.load import load_tokenizer
     from rlhf_core.rollout.rewards import ModelReward
 
     tokenizer = load_tokenizer(model_path)  # no pad token: pads with EOS
     model = ModelReward(model_path, tokenizer.pad_token_id)
     lock = threading.Lock()  # one forward at a time: torch threads are already parallel
+    expected = token.encode() if token is not None else None
 
     class Handler(BaseHTTPRequestHandler):
-        def _send(self, code: int, body: dict) -> None:
+        def _send(self, code: int, body: dict, headers: dict | None = None) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
 
         def do_GET(self):  # noqa: N802 (http.server naming)
-            if self.path == "/health":
-                self._send(200, {"status": "ok", "model": model_path})
+            if self.path == "/health":  # open, for probes; what is served only with the token
+                self._send(200, {"status": "ok", "auth": "none" if expected is None else "bearer",
+                                 **({"model": model_path} if authorized(self.headers, expected) else {})})
             else:
                 self._send(404, {"error": f"unknown path {self.path}; use POST /score or GET /health"})
 
         def do_POST(self):  # noqa: N802
             if self.path not in ("/score", "/get_reward"):
                 return self._send(404, {"error": f"unknown path {self.path}; use POST /score or /get_reward"})
+            if not authorized(self.headers, expected):
+                drain(self)  # so that its client reads the 401, not a reset connection
+                return self._send(401, UNAUTHORIZED, {"WWW-Authenticate": 'Bearer realm="rlhf-reward"'})
             try:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 if self.path == "/get_reward":
@@ -90,10 +180,21 @@ def from_openrlhf_request(req: dict, tokenizer) -> dict:
     return {"prompts": split_prompts, "responses": responses}
 
 
-def serve(model_path: str, host: str, port: int) -> None:
-    server = make_server(model_path, host, port)
+def serve(model_path: str, host: str, port: int, token_file: str | Path = DEFAULT_TOKEN_FILE, auth: bool = True) -> None:
+    """Serve until Ctrl-C.  `auth`: require the bearer token kept in `token_file` (made there at the
+    first start, reused after); False serves anyone who can reach the port."""
+    token = None
+    if auth:
+        token, created = secret_file(token_file, lambda: secrets.token_urlsafe(32), "reward server token file")
+        path = Path(token_file).resolve()
+        print(f"bearer token {'written to' if created else 'read from'} {path} (0600; never printed): clients send\n"
+              f"  Authorization: Bearer <the file's content>\n  rl stage: --set rl.reward_token_file={path}", flush=True)
+    else:
+        log.warning("--no-auth: the reward server answers anyone who can reach %s:%d", host, port)
+    server = make_server(model_path, host, port, token=token)
     if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("reward server bound to %s: it has no authentication; do not expose it beyond a trusted network", host)
+        log.warning("reward server bound to %s: %s", host, "the bearer token travels in plain HTTP: put a TLS proxy in front"
+                    if auth else "it has no authentication; do not expose it beyond a trusted network")
     log.info("serving %s at http://%s:%d/score (and OpenRLHF's /get_reward; Ctrl-C to stop)", model_path, host, server.server_address[1])
     try:
         server.serve_forever()

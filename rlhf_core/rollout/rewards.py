@@ -192,10 +192,14 @@ def url_protocol(url: str, setting: str = "auto") -> str:
 class HttpReward:
     """`user:password@` in the URL is sent as HTTP basic auth; names and errors show the URL with
     its credentials redacted (they end up in logs and in the rollouts' invalid reasons).
-    `protocol`: see `url_protocol`."""
+    `token_file`: a file holding a bearer token (`rlhf serve-reward` writes one), sent as
+    `Authorization: Bearer ...`; it must exist, and is read once here.  The token itself is never
+    part of the name, an error or a log.  `protocol`: see `url_protocol`."""
 
-    def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5, protocol: str = "auto"):
+    def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5, protocol: str = "auto",
+                 token_file: str | None = None):
         from rlhf_core.config import redact_url
+        from rlhf_core.rollout.reward_server import read_secret_file
 
         self.shown = redact_url(url)
         parts = urlsplit(url)
@@ -206,6 +210,10 @@ class HttpReward:
             token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
             self.headers["Authorization"] = f"Basic {token}"
             url = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+        if token_file:
+            if "Authorization" in self.headers:
+                raise ValueError(f"reward_url {self.shown} has user:password@ and a reward_token_file: give one of them")
+            self.headers["Authorization"] = f"Bearer {read_secret_file(token_file, 'reward_token_file')}"
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
         self.protocol = url_protocol(url, protocol)
         self.name = f"reward_url {self.shown}"
@@ -231,7 +239,7 @@ class HttpReward:
             except RewardError:
                 raise
             except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}"
+                last = f"HTTP {e.code}" + (" (unauthorized: check rl.reward_token_file, the server's token file)" if e.code == 401 else "")
                 if e.code < 500:  # a client error will not heal by retrying
                     break
             except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:

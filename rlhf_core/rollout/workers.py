@@ -150,7 +150,7 @@ class RewardWorker(PeakMemory):
 
     def __init__(self, reward_file: str | None, reward_model: str | None, reward_url: str | None, weights: dict[str, float],
                  pad_token_id: int, url_timeout: float, url_retries: int, builtin: bool = False, trust_remote_code: bool = False,
-                 threads: int = 1, url_protocol: str = "auto"):
+                 threads: int = 1, url_protocol: str = "auto", url_token_file: str | None = None):
         from rlhf_core.rollout import rewards as R
 
         torch.set_num_threads(max(1, threads))  # a reward model's forward
@@ -160,7 +160,7 @@ class RewardWorker(PeakMemory):
         if reward_model:
             self.sources["reward_model"] = R.ModelReward(reward_model, pad_token_id, trust_remote_code=trust_remote_code)
         if reward_url:
-            self.sources["reward_url"] = R.HttpReward(reward_url, url_timeout, url_retries, protocol=url_protocol)
+            self.sources["reward_url"] = R.HttpReward(reward_url, url_timeout, url_retries, protocol=url_protocol, token_file=url_token_file)
         self.weights = weights
 
     def ready(self) -> bool:

@@ -28,7 +28,7 @@ NAMES = {
 PREFIXES = ("LC_", "RAY_", "VLLM_", "CUDA_", "NCCL_", "GLOO_", "OMP_", "KMP_", "MKL_", "TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_",
             "WANDB_")  # WANDB_API_KEY is a secret like any *_KEY: forwarded only when named in RLHF_FORWARD_ENV
 # a name with one of these words (between underscores) is a secret, unless it names a path or a mode
-SECRET_WORDS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS", "PRIVATE", "SESSION"}
+SECRET_WORDS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS", "PRIVATE", "SESSION", "AUTH"}
 NOT_SECRET_SUFFIXES = ("_PATH", "_FILE", "_DIR", "_MODE")
 EXTRA = "RLHF_FORWARD_ENV"
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhf_core.runtime.rendezvous import tcp_store
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -69,7 +71,7 @@ class WeightGroup:
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str):
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        store = tcp_store(host, port, world_size, is_master=rank == 0, timeout=timeout)  # on `host` only
         prefixed = dist.PrefixStore("rlhf-weight-sync", store)
         if backend == "nccl":
             self.pg, self.device = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options()), torch.device("cuda")

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from rlhf_core.runtime.rendezvous import tcp_store
 from rlhf_core.training.config import TrainConfig
 
 
@@ -26,6 +27,12 @@ def init_distributed(rank: int, world_size: int, master: tuple[str, int], backen
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    # the group joins through our own store, served on MASTER_ADDR only (env:// would make torch's,
+    # which listens on every interface); DeepSpeed then finds the default group initialised
+    from deepspeed.constants import default_pg_timeout
+
+    store = tcp_store(master[0], master[1], world_size, is_master=rank == 0, timeout=default_pg_timeout)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=default_pg_timeout)
     if backend == "gloo":
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op at every process-group
         # start: ~50-80 s of both cores whenever the build flags differ from the cached build, and a

@@ -89,14 +89,19 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
 
     port = free_port()
     api = {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    auth_file = root / ".prefect" / "api-auth"  # `rlhf serve`'s API needs basic auth: the string it keeps here (0600)
     server = subprocess.Popen([sys.executable, "-m", "rlhf_core.cli", "serve", "--repo", str(root), "--port", str(port)], cwd=root,
                               stdout=open(root / "serve.log", "w"), stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
     try:
         def deployed():
-            p = sh(sys.executable, "-m", "prefect", "deployment", "ls", cwd=root, env={**env, **api})
+            auth = {"PREFECT_API_AUTH_STRING": auth_file.read_text().strip()} if auth_file.exists() else {}
+            p = sh(sys.executable, "-m", "prefect", "deployment", "ls", cwd=root, env={**env, **api, **auth})
             return p.returncode == 0 and "alignment-pipeline/full" in p.stdout and "alignment-pipeline/nightly" in p.stdout
 
         wait_for(deployed, 180, "deployments registered")
+        api["PREFECT_API_AUTH_STRING"] = auth_file.read_text().strip()
+        assert auth_file.stat().st_mode & 0o077 == 0 and api["PREFECT_API_AUTH_STRING"] not in (root / "serve.log").read_text()
+        assert sh(sys.executable, "-m", "prefect", "deployment", "ls", cwd=root, env={**env, "PREFECT_API_URL": api["PREFECT_API_URL"]}).returncode
         # the Prefect UI is served beside the API, and `rlhf serve` says where
         import urllib.request
 
@@ -184,7 +189,8 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
 
 
     # no secret from the environment in any artifact, manifest, model card, log or rollout
-    leaked = [p for p in (root / "artifacts").rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    secrets = (SECRET.encode(), api["PREFECT_API_AUTH_STRING"].encode())  # ... nor the Prefect API's auth string
+    leaked = [p for p in (root / "artifacts").rglob("*") if p.is_file() and any(s in p.read_bytes() for s in secrets)]
     assert leaked == []
 
 

@@ -351,10 +351,13 @@ def sequence_rm(tiny, name: str):
 
 @contextlib.contextmanager
 def serve_reward(rm_dir):
-    """`rlhf serve-reward`'s server for `rm_dir` on a free port, in a thread; yields the server."""
-    from rlhf_core.rollout.reward_server import make_server
+    """`rlhf serve-reward`'s server for `rm_dir` on a free port, in a thread; yields the server, its
+    bearer token in the 0600 file `srv.token_file` (for `HttpReward(token_file=...)`)."""
+    from rlhf_core.rollout.reward_server import make_server, secret_file
 
-    srv = make_server(str(rm_dir), port=0)
+    token_file = rm_dir.parent / f"{rm_dir.name}.token"
+    srv = make_server(str(rm_dir), port=0, token=secret_file(token_file, lambda: f"test-token-{rm_dir.name}")[0])
+    srv.token_file = str(token_file)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield srv
@@ -371,7 +374,7 @@ def test_reward_model_served_over_http(tiny):
         url = f"http://127.0.0.1:{srv.server_address[1]}/score"
         ids = [[1, 5, 6, 7, 2], [1, 5, 6, 8, 2]]
         samples = [{"prompt": "p", "response": "r", "label": "l", "token_ids": x} for x in ids]
-        remote, _, why = R.HttpReward(url)(samples)
+        remote, _, why = R.HttpReward(url, token_file=srv.token_file)(samples)
         local, _, _ = R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)(samples)
         assert remote == pytest.approx(local) and why == [None, None] and remote[0] != remote[1]
 
@@ -429,13 +432,13 @@ def test_reward_server_speaks_openrlhf_get_reward_like_score(tiny):
         samples = [{"prompt": "Q: 12+30= A:", "response": r, "label": "42"} for r in (" 42", " 41 wrong")]
         for s in samples:
             s["token_ids"] = tok(s["prompt"]).input_ids + tok(s["response"], add_special_tokens=False).input_ids + [tok.eos_token_id]
-        ours, _, _ = R.HttpReward(f"{base}/score")(samples)
-        theirs, comps, why = R.HttpReward(f"{base}/get_reward")(samples)
+        ours, _, _ = R.HttpReward(f"{base}/score", token_file=srv.token_file)(samples)
+        theirs, comps, why = R.HttpReward(f"{base}/get_reward", token_file=srv.token_file)(samples)
         assert theirs == pytest.approx(ours, abs=1e-6) and comps["score"] == pytest.approx(ours, abs=1e-6) and why == [None, None]
         assert ours[0] != ours[1]
         # a query ending in EOS text (as decoded sequences do) scores the same
         eos = [{**s, "response": s["response"] + tok.eos_token} for s in samples]
-        assert R.HttpReward(f"{base}/get_reward")(eos)[0] == pytest.approx(ours, abs=1e-6)
+        assert R.HttpReward(f"{base}/get_reward", token_file=srv.token_file)(eos)[0] == pytest.approx(ours, abs=1e-6)
 
 
 def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(tiny):
@@ -460,7 +463,7 @@ def test_token_level_reward_model_pools_over_the_response_locally_and_over_http(
     with pytest.raises(R.RewardError, match="prompt_len"):
         R.ModelReward(str(rm_dir), pad_token_id=tok.pad_token_id)([{"token_ids": ids[0]}])
     with serve_reward(rm_dir) as srv:
-        remote, _, _ = R.HttpReward(f"http://127.0.0.1:{srv.server_address[1]}/score")(samples)
+        remote, _, _ = R.HttpReward(f"http://127.0.0.1:{srv.server_address[1]}/score", token_file=srv.token_file)(samples)
         assert remote == pytest.approx(local, abs=1e-5)
 
 

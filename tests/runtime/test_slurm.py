@@ -37,6 +37,26 @@ wait $child
 '''
 
 
+# the command the template runs, before the stage: the cluster's token is private and required,
+# and the job server listens on the head's address, not every interface
+PROBE = '''#!/usr/bin/env python
+import os, sys, urllib.error, urllib.request
+import psutil
+path = os.environ["RAY_AUTH_TOKEN_PATH"]
+private = os.stat(path).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+try:
+    urllib.request.urlopen(os.environ["RAY_ADDRESS"] + "/api/jobs/", timeout=10)
+    code = 200
+except urllib.error.HTTPError as e:
+    code = e.code
+port = int(os.environ["RAY_ADDRESS"].rsplit(":", 1)[1])
+wild = [c for c in psutil.net_connections(kind="inet") if c.status == "LISTEN" and c.laddr.port == port and c.laddr.ip in ("0.0.0.0", "::")]
+if private and code == 401 and not wild:
+    print("token 0600 in a 0700 dir; without it: HTTP 401; dashboard on the head's address", flush=True)
+os.execvp(sys.argv[1], sys.argv[1:])
+'''
+
+
 @pytest.fixture
 def short_tmp():
     """Under /tmp with a short name: Ray's socket paths inside a temp dir are limited to 107 bytes."""
@@ -64,11 +84,16 @@ def test_sbatch_template_starts_a_two_node_cluster_and_runs_a_stage(project, sho
     env.update(PATH=f"{stubs}:{Path(sys.executable).parent}:{env['PATH']}", PORTS_DIR=str(tmp_path), SLURM_JOB_NODELIST="node-[a-b]",
                SLURM_CPUS_ON_NODE="2", RAY_PORT=str(ports[0]), DASHBOARD_PORT=str(ports[1]), VENV=str(Path(sys.executable).parents[1]),
                RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
-    # a token left by any plain ray.init() turns Ray's token auth on (test_cluster's case): the
-    # template must still reach its head
+    # a token left by any plain ray.init(), or one in the shell, must not lock the template out of
+    # its own cluster (which has a token of its own)
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
-    cmd = ["bash", str(ROOT / "scripts" / "slurm" / "ray_cluster.sbatch"), "rlhf", "stage", "run", "sft", "--params", "none.yaml",
+    env["RAY_AUTH_TOKEN"] = "f" * 64
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    env.pop("RAY_AUTH_MODE", None)
+    (stubs / "probe").write_text(PROBE)
+    (stubs / "probe").chmod(0o755)
+    cmd = ["bash", str(ROOT / "scripts" / "slurm" / "ray_cluster.sbatch"), "probe", "rlhf", "stage", "run", "sft", "--params", "none.yaml",
            "--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=2", "--set", "sft.global_batch_size=8",
            "--set", "sft.num_workers=2", "--set", "sft.placement_strategy=STRICT_SPREAD", "--set", "sft.eval_max_new_tokens=2",
            "--set", "sft.output_dir=artifacts/sft_slurm"]
@@ -76,6 +101,8 @@ def test_sbatch_template_starts_a_two_node_cluster_and_runs_a_stage(project, sho
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     assert "ray cluster up: 2 node(s)" in text
+    assert "token 0600 in a 0700 dir; without it: HTTP 401; dashboard on the head's address" in text, text[-3000:]
+    assert not list((project / ".rlhf" / "ray").glob("auth_token-*"))  # the cluster's token went with it
     line = re.search(r"training: 2 rank\(s\) on (\d) node\(s\)", text)
     assert line and line.group(1) == "2", text[-3000:]
     assert (project / "artifacts" / "sft_slurm" / "model" / "model.safetensors").exists()
