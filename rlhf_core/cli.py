@@ -118,6 +118,10 @@ def cmd_pipeline_run(args) -> int:
     # a loaded 2-core machine can take longer than Prefect's default 20 s to start the
     # temporary API server; a slow start must not fail the pipeline
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    from flows.overrides import check_overrides
+
+    # here too, not only in the flow: Prefect records a flow run's parameters before its body runs
+    check_overrides(args.set, args.repo, from_deployment=False)
     from flows.pipeline import alignment_pipeline
 
     stages = [s for s in (args.stages or "").split(",") if s] or None

@@ -117,3 +117,15 @@ def test_the_flow_refuses_before_anything_is_written(repo, monkeypatch, deployme
         P.check_overrides(["rl.max_steps=3", item], repo, True, P.allowed_from_env())
         P.apply_overrides(repo, ["rl.max_steps=3", item])
         assert "reward_file: /tmp/evil.py" in (repo / "params.yaml").read_text() and "# a comment" in (repo / "params.yaml").read_text()
+
+
+def test_pipeline_run_refuses_credentials_before_prefect_sees_them(tmp_path, capsys):
+    """`rlhf pipeline run --set` with a credential fails before the flow starts: Prefect stores a
+    flow run's parameters when the run is created, before its body could refuse them."""
+    from rlhf_core.cli import main
+
+    (tmp_path / "params.yaml").write_text("rl:\n  max_steps: 3\n")
+    code = main(["pipeline", "run", "--repo", str(tmp_path), "--set", "rl.reward_url=https://u:pa55w0rd@h/score"])
+    err = capsys.readouterr().err
+    assert code == 2 and "carries credentials" in err and "pa55w0rd" not in err
+    assert (tmp_path / "params.yaml").read_text() == "rl:\n  max_steps: 3\n" and not (tmp_path / ".prefect").exists()

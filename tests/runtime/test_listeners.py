@@ -78,13 +78,15 @@ def test_a_rendezvous_store_and_gloo_listen_on_the_rendezvous_address_only():
 @pytest.mark.integration
 @pytest.mark.xdist_group("rl_more")
 def test_nothing_listens_beyond_loopback_during_real_stage_runs(project, ray_head, sft_reference):
-    """sft and dpo on two DeepSpeed ranks, rl on the vLLM engine in the separate layout with the
+    """sft, rm and dpo on two DeepSpeed ranks, rl on the vLLM engine in the separate layout with the
     collective weight sync (two trainer ranks): every socket opened meanwhile is on loopback."""
     two = ["--set", "{s}.num_workers=2", "--set", "{s}.max_steps=2", "--set", "{s}.save_steps=2", "--set", "{s}.eval_max_new_tokens=2",
            "--set", "{s}.global_batch_size=8", "--set", "{s}.output_dir=artifacts/{s}_listeners"]
     sft_model = str(sft_reference / "model")
     with Listeners() as seen:
         proc = run_stage(project, ray_head, "sft", *SFT, *[a.format(s="sft") for a in two])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        proc = run_stage(project, ray_head, "rm", "--set", f"rm.model_path={sft_model}", *[a.format(s="rm") for a in two])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
         proc = run_stage(project, ray_head, "dpo", "--set", f"dpo.model_path={sft_model}", *[a.format(s="dpo") for a in two])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

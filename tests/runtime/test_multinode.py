@@ -8,21 +8,21 @@ import urllib.request
 import pytest
 from conftest import SFT_CURVE, history, run_stage
 
-from rlhf_core.runtime.cluster import LocalRayHead
+from rlhf_core.runtime.cluster import LocalRayHead, auth_headers, use_head
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    with LocalRayHead(num_cpus=2, multi_node=True) as head:
+    with LocalRayHead(num_cpus=2, multi_node=True) as head, use_head(head):  # its token for the commands meanwhile
         head.add_node(2, {"nodeb": 2})
         yield head.job_address
 
 
 def node_with(address: str, resource: str) -> str:
     """The id (first 8 characters, as the placement lines show it) of the node holding `resource`."""
-    with urllib.request.urlopen(f"{address}/nodes?view=summary", timeout=10) as r:
+    with urllib.request.urlopen(urllib.request.Request(f"{address}/nodes?view=summary", headers=auth_headers()), timeout=10) as r:
         nodes = json.loads(r.read())["data"]["summary"]
     return next(n["raylet"]["nodeId"][:8] for n in nodes if resource in n["raylet"]["resourcesTotal"])
 
