@@ -48,7 +48,7 @@ def deployments(repo: str, cron: str = "0 2 * * *"):
 def api_auth(repo: str | Path) -> tuple[str, Path]:
     """(auth string, its file): REPO/.prefect/api-auth, made at the first call (`rlhf:<token>`, mode
     0600, directory 0700), reused after."""
-    from rlhf_core.rollout.reward_server import secret_file
+    from rlhf_core.atomic import secret_file
 
     path = Path(repo) / ".prefect" / "api-auth"
     auth, _ = secret_file(path, lambda: f"rlhf:{secrets.token_urlsafe(32)}", "Prefect API auth file")

@@ -50,8 +50,9 @@ def rlhf(*args, cwd, env=None, timeout=600):
 @pytest.fixture(scope="session")
 def ray_head():
     """One embedded Ray head for the whole session; tests submit jobs to it via RAY_ADDRESS.  Its
-    token's path is in our environment meanwhile (`use_head`), so the commands tests start and
-    their JobSubmissionClients authenticate to it."""
+    token's path is in our environment meanwhile (`use_head`), so the commands tests start
+    authenticate to it; a test's own client is `runtime.cluster.job_client` (a plain
+    JobSubmissionClient sends no token: Ray reads RAY_AUTH_MODE once per process, at import)."""
     from rlhf_core.runtime.cluster import LocalRayHead, use_head
 
     with LocalRayHead() as head, use_head(head):

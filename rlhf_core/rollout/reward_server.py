@@ -21,62 +21,17 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
+
+from rlhf_core.atomic import secret_file
 
 log = logging.getLogger("rlhf.reward_server")
 
 DEFAULT_TOKEN_FILE = ".rlhf/reward-server.token"
 MAX_DRAIN = 64 << 20  # an unauthorised request's body read (and dropped) so its client sees the 401
-
-
-def read_secret_file(path: str | Path, what: str = "token file") -> str:
-    """The secret in `path`, stripped.  A missing or empty file is an error naming it (never its
-    content); a file group or others can read is used with a warning."""
-    p = Path(path)
-    try:
-        mode = p.stat().st_mode
-        text = p.read_text()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {p} does not exist") from None
-    if mode & 0o077:
-        log.warning("%s %s can be read by group/others (mode %03o): run `chmod 600 %s`", what, p, mode & 0o777, p)
-    if not text.strip():
-        raise ValueError(f"{what} {p} is empty")
-    return text.strip()
-
-
-def secret_file(path: str | Path, generate: Callable[[], str], what: str = "token file") -> tuple[str, bool]:
-    """(secret, created): the secret in `path`, or a new `generate()` written there -- mode 0600
-    from its creation (O_EXCL on a temp name beside it, then linked into place, so no reader ever
-    sees it half-written or with wider permissions, and two starters never overwrite each other),
-    its directory created 0700."""
-    p = Path(path)
-    if p.exists():
-        return read_secret_file(p, what), False
-    p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    secret = generate()
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)  # the umask can only narrow the mode; this names it exactly
-            f.write(secret + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, p)  # atomic, and never over a file another start wrote meanwhile
-        except FileExistsError:
-            return read_secret_file(p, what), False
-        except OSError:  # a filesystem without hard links
-            os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return secret, True
 
 
 UNAUTHORIZED = {"error": "unauthorized: send `Authorization: Bearer TOKEN`, TOKEN being the content of the server's token file "

@@ -198,8 +198,8 @@ class HttpReward:
 
     def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5, protocol: str = "auto",
                  token_file: str | None = None):
+        from rlhf_core.atomic import read_secret_file
         from rlhf_core.config import redact_url
-        from rlhf_core.rollout.reward_server import read_secret_file
 
         self.shown = redact_url(url)
         parts = urlsplit(url)

@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from rlhf_core import atomic
 from rlhf_core.runtime import watchdog
 from rlhf_core.runtime.env import head_env
 
@@ -70,16 +71,6 @@ AUTH_MODE, TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
 def auth_disabled(environ=None) -> bool:
     """Token authentication is off only when the user says so: RAY_AUTH_MODE=disabled."""
     return (os.environ if environ is None else environ).get(AUTH_MODE, "").lower() == "disabled"
-
-
-def new_token_file(directory: str | Path) -> Path:
-    """A fresh 256-bit token in DIRECTORY/auth_token, created 0600 (never readable by others,
-    not even for an instant); the directory should be private (0700) too."""
-    path = Path(directory) / "auth_token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return path
 
 
 def ray_node_env(token_path: Path | None) -> dict[str, str]:
@@ -140,7 +131,9 @@ class LocalRayHead:
         # Short and under /tmp: Ray's Unix socket paths live inside and are limited to 107 bytes.
         self.temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp")
         # its token: 0600 in a 0700 dir of its own (Ray makes its temp dir world-writable), removed with the head
-        self.token_path = None if auth_disabled() else new_token_file(tempfile.mkdtemp(prefix="rlhf-ray-auth-"))
+        self.token_path = None
+        if not auth_disabled():
+            self.token_path = atomic.write_private(Path(tempfile.mkdtemp(prefix="rlhf-ray-auth-")) / "auth_token", secrets.token_hex(32))
 
     @property
     def auth_env(self) -> dict[str, str]:

@@ -19,6 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from rlhf_core import atomic
+
 NAMES = {
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
     "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
@@ -68,27 +70,12 @@ SETUP_HOOK = "rlhf_core.runtime.env.apply_job_secrets"
 the job (the actors) runs it before any task."""
 
 
-def private_dir(path: Path) -> Path:
-    """`path` created 0700 (parents as usual), and made 0700 if it already existed."""
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
-
-
-def write_private(path: Path, text: str) -> Path:
-    """`text` into a new file `path` created 0600: readable by its owner only from the first byte."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return path
-
-
 def write_secrets_file(directory: Path, name: str, config: dict[str, str], env: dict[str, str]) -> Path | None:
     """{"config": {dotted key: value}, "env": {NAME: value}} in DIRECTORY/NAME.json (dir 0700, file
     0600), or None when there is nothing secret to pass."""
     if not config and not env:
         return None
-    return write_private(private_dir(directory) / f"{name}.json", json.dumps({"config": config, "env": env}))
+    return atomic.write_private(atomic.private_dir(directory) / f"{name}.json", json.dumps({"config": config, "env": env}))
 
 
 def read_secrets_file(environ=None) -> dict:

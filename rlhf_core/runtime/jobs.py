@@ -15,7 +15,7 @@ from pathlib import Path
 from rlhf_core import atomic, registry
 from rlhf_core.config import config_secrets
 from rlhf_core.runtime.cluster import job_client
-from rlhf_core.runtime.env import SECRETS_FILE, SETUP_HOOK, allowed, extra_names, looks_secret, write_secrets_file
+from rlhf_core.runtime.env import SECRETS_FILE, SETUP_HOOK, extra_names, looks_secret, write_secrets_file
 
 log = logging.getLogger("rlhf.jobs")
 
@@ -174,4 +174,4 @@ def forward_env() -> dict[str, str]:
             "RLHF_PREFECT_TASK_RUN_ID", *extra_names())
     # W&B's settings (mode, project, entity, dir...) for report_to=wandb; its API key through `Secrets`
     wandb = [k for k in os.environ if k.startswith("WANDB_")]
-    return {k: os.environ[k] for k in (*keys, *wandb) if k in os.environ and allowed(k)}
+    return {k: os.environ[k] for k in (*keys, *wandb) if k in os.environ and not looks_secret(k)}

@@ -236,9 +236,9 @@ def test_sigterm_of_a_flow_run_stops_the_stage_then_resumes(flow_env):
     proc.terminate()
     proc.wait(timeout=120)
     assert proc.returncode != 0, log.read_text()[-3000:]
-    from ray.job_submission import JobSubmissionClient
+    from rlhf_core.runtime.cluster import job_client
 
-    client = JobSubmissionClient(env["RAY_ADDRESS"])
+    client = job_client(env["RAY_ADDRESS"])
     last = lambda: max((j for j in client.list_jobs() if (j.metadata or {}).get("stage") == "sft"), key=lambda j: j.start_time or 0)  # noqa: E731
     assert wait_for(lambda: str(last().status.value) == "STOPPED", 60, "the sft Ray job stopped")
     left = sh("pgrep", "-f", f"stages.sft --config {root}", cwd=root)

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from rlhf_core import atomic
 from rlhf_core.rollout import reward_server as RS
 from rlhf_core.rollout import rewards as R
 
@@ -28,13 +29,13 @@ def test_token_file_is_made_0600_in_a_0700_dir_atomically_and_reused(tmp_path):
     path = tmp_path / "proj" / ".rlhf" / "reward-server.token"
     old = os.umask(0)  # the modes must not depend on the umask
     try:
-        token, created = RS.secret_file(path, lambda: TOKEN)
+        token, created = atomic.secret_file(path, lambda: TOKEN)
     finally:
         os.umask(old)
     assert (token, created) == (TOKEN, True) and path.read_text().strip() == TOKEN
     assert mode(path) == 0o600 and mode(path.parent) == 0o700
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left beside it
-    assert RS.secret_file(path, lambda: "another") == (TOKEN, False)  # the next start reuses it
+    assert atomic.secret_file(path, lambda: "another") == (TOKEN, False)  # the next start reuses it
     assert path.read_text().strip() == TOKEN
 
 
@@ -47,7 +48,7 @@ def test_a_loose_or_missing_token_file_is_said_clearly_without_the_token(tmp_pat
         R.HttpReward("http://127.0.0.1:9/score", token_file=str(path))
     path.write_text(TOKEN + "\n")
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="rlhf.reward_server"):
+    with caplog.at_level(logging.WARNING, logger="rlhf.atomic"):
         client = R.HttpReward("http://127.0.0.1:9/score", token_file=str(path))
     assert "group/others" in caplog.text and "chmod 600" in caplog.text and TOKEN not in caplog.text
     assert client.headers["Authorization"] == f"Bearer {TOKEN}" and TOKEN not in client.name
@@ -148,7 +149,7 @@ def test_score_and_get_reward_need_the_bearer_token(rm_dir):
 
 def test_http_reward_scores_through_the_server_with_its_token_file(rm_dir, tmp_path):
     token_file = tmp_path / ".rlhf" / "reward-server.token"
-    token, _ = RS.secret_file(token_file, lambda: TOKEN)
+    token, _ = atomic.secret_file(token_file, lambda: TOKEN)
     local, _, _ = R.ModelReward(str(rm_dir), pad_token_id=0)(SAMPLES)
     with served(rm_dir, token) as base:
         client = R.HttpReward(f"{base}/score", token_file=str(token_file))
@@ -158,7 +159,7 @@ def test_http_reward_scores_through_the_server_with_its_token_file(rm_dir, tmp_p
         # without the token, or with another: a clear 401 error that does not retry, and no token in it
         for kwargs in ({}, {"token_file": str(tmp_path / "other")}):
             if kwargs:
-                RS.secret_file(kwargs["token_file"], lambda: "not-the-token")
+                atomic.secret_file(kwargs["token_file"], lambda: "not-the-token")
             with pytest.raises(R.RewardError) as e:
                 R.HttpReward(f"{base}/score", retries=3, backoff=5, **kwargs)(SAMPLES)  # a retry would take 5 s+
             assert "HTTP 401" in str(e.value) and "1 attempt(s)" in str(e.value) and TOKEN not in str(e.value)

@@ -353,7 +353,8 @@ def sequence_rm(tiny, name: str):
 def serve_reward(rm_dir):
     """`rlhf serve-reward`'s server for `rm_dir` on a free port, in a thread; yields the server, its
     bearer token in the 0600 file `srv.token_file` (for `HttpReward(token_file=...)`)."""
-    from rlhf_core.rollout.reward_server import make_server, secret_file
+    from rlhf_core.atomic import secret_file
+    from rlhf_core.rollout.reward_server import make_server
 
     token_file = rm_dir.parent / f"{rm_dir.name}.token"
     srv = make_server(str(rm_dir), port=0, token=secret_file(token_file, lambda: f"test-token-{rm_dir.name}")[0])

@@ -35,8 +35,12 @@ def test_head_env_is_an_allow_list_without_secrets():
 def test_jobs_get_an_allow_list(monkeypatch):
     monkeypatch.setenv("RLHF_TEST_API_KEY", SECRET)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("RLHF_FAULT", "sigkill_after_step:2")  # ours, not the head's allow-list: the job needs them
+    monkeypatch.setenv("RLHF_PREFECT_FLOW_RUN_ID", "f-1")
     monkeypatch.delenv("RLHF_FORWARD_ENV", raising=False)
-    assert SECRET not in json.dumps(forward_env()) and forward_env()["OMP_NUM_THREADS"] == "3"
+    env = forward_env()
+    assert SECRET not in json.dumps(env) and env["OMP_NUM_THREADS"] == "3"
+    assert env["RLHF_FAULT"] == "sigkill_after_step:2" and env["RLHF_PREFECT_FLOW_RUN_ID"] == "f-1"
     monkeypatch.setenv("RLHF_FORWARD_ENV", "RLHF_TEST_API_KEY,PIP_CERT")
     monkeypatch.setenv("PIP_CERT", "/etc/ca.pem")
     # named: a secret travels in the secrets file (Secrets), never in the job's runtime_env; a plain one in it

@@ -176,7 +176,7 @@ def test_two_runs_at_once_on_one_output_dir_the_second_is_refused(project, ray_h
 
 @pytest.mark.xdist_group("sft_later")
 def test_a_detached_job_runs_on_and_holds_its_output_dir(project, ray_head, sft_reference):
-    from ray.job_submission import JobSubmissionClient
+    from rlhf_core.runtime.cluster import job_client
 
     out = project / "artifacts" / "sft_detached"
     args = ["stage", "run", "sft", "--params", "none.yaml", *SFT, "--set", "sft.max_steps=3", "--set", "sft.save_steps=3",
@@ -200,7 +200,7 @@ def test_a_detached_job_runs_on_and_holds_its_output_dir(project, ray_head, sft_
     assert config.stat().st_mtime_ns == written  # refused before writing anything
     print(f"the second run was refused in {time.time() - t0:.1f} s")
 
-    client = JobSubmissionClient(ray_head)  # the command that submitted it is long gone; the job is not
+    client = job_client(ray_head)  # the command that submitted it is long gone; the job is not
     assert wait_for(lambda: str(client.get_job_status(job_id).value) in ("SUCCEEDED", "FAILED", "STOPPED"), 600, poll=1)
     assert str(client.get_job_status(job_id).value) == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
     assert (out / "model" / "model.safetensors").exists() and stage_lock.holder(out) is None
@@ -210,7 +210,7 @@ def test_a_detached_job_runs_on_and_holds_its_output_dir(project, ray_head, sft_
 def test_the_job_stops_when_the_reader_of_the_command_output_dies(project, ray_head):
     """A crashed Prefect worker (or a closed ssh session): the pipe the command writes its logs to
     loses its reader.  The command dies at its next write, and its guard stops the job."""
-    from ray.job_submission import JobSubmissionClient
+    from rlhf_core.runtime.cluster import job_client
 
     out = project / "artifacts" / "sft_orphan"
     args = ["stage", "run", "sft", "--params", "none.yaml", *SFT, "--set", f"sft.output_dir={out}"]
@@ -226,7 +226,7 @@ def test_the_job_stops_when_the_reader_of_the_command_output_dies(project, ray_h
         raise AssertionError("".join(seen)[-3000:])
     cmd.stdout.close()  # the reader is gone
     assert cmd.wait(timeout=120) != 0
-    client = JobSubmissionClient(ray_head)
+    client = job_client(ray_head)
     assert wait_for(lambda: str(client.get_job_status(job_id).value) == "STOPPED", 60, poll=0.2), client.get_job_status(job_id)
     assert wait_for(lambda: not processes_of_job(job_id), 30)
     assert stage_lock.holder(out) is None
@@ -241,7 +241,7 @@ RL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_s
 
 @pytest.mark.xdist_group("rl_more")
 def test_sigkill_of_the_command_stops_its_rl_job_on_a_cluster_then_resume_is_bit_identical(project, ray_head, sft_reference):
-    from ray.job_submission import JobSubmissionClient
+    from rlhf_core.runtime.cluster import job_client
 
     reward = project / "digits_reward_vllm.py"
     reward.write_text(DIGITS_REWARD)
@@ -260,7 +260,7 @@ def test_sigkill_of_the_command_stops_its_rl_job_on_a_cluster_then_resume_is_bit
     os.killpg(cmd.pid, signal.SIGKILL)
     cmd.wait()
     t0 = time.time()
-    client = JobSubmissionClient(ray_head)
+    client = job_client(ray_head)
     assert wait_for(lambda: str(client.get_job_status(job_id).value) == "STOPPED", 30, poll=0.2), client.get_job_status(job_id)
     assert wait_for(lambda: not any(alive(p) for p in job), 30), [(p, cmdline(p)) for p in job if alive(p)]
     print(f"job {job_id} stopped and its {len(job)} processes gone {time.time() - t0:.2f} s after the kill")
