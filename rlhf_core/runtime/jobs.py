@@ -67,7 +67,12 @@ def submit(client, entrypoint: str, env_vars: dict[str, str], submission_id: str
         runtime_env["env_vars"][SECRETS_FILE] = str(path)
         if secrets.env:
             runtime_env["worker_process_setup_hook"] = SETUP_HOOK
-    return _submit_with_retry(client, entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata, submission_id=submission_id)
+    try:
+        return _submit_with_retry(client, entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata, submission_id=submission_id)
+    except BaseException:  # no job will read it
+        if path:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def _submit(client, stage: str, config_path: Path, env_vars: dict[str, str] | None, submission_id: str,

@@ -114,3 +114,17 @@ def test_http_reward_sends_url_credentials_as_basic_auth_and_never_shows_them():
         assert "HTTP 401" in str(e.value) and f"http://***@127.0.0.1:{port}/score" in str(e.value) and "wrong" not in str(e.value)
     finally:
         srv.shutdown()
+
+
+def test_a_refused_submission_leaves_no_secrets_file(tmp_path, monkeypatch):
+    """The job server refuses the submission (here: a 401): the secrets file written for the job is removed."""
+    from rlhf_core.runtime import jobs
+
+    class Refusing:
+        def submit_job(self, **kw):
+            raise RuntimeError("Request failed with status code 401")
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="401"):
+        jobs.submit(Refusing(), "true", {}, "job-x", {}, Secrets({"reward_url": "http://u:p@h/score"}, {}))
+    assert not jobs.secrets_path("job-x").exists() and jobs.secrets_path("job-x").parent.is_dir()
