@@ -181,8 +181,11 @@ class LocalRayHead:
             # the two metrics ports that have no `ray start` flag (defaults 44217 and 44227)
             **{name: str(next(ports)) for name in PORT_ENV},
         })
-        log.info("starting local Ray head (dashboard %s, temp dir %s)", self.job_address, self.temp_dir)
-        self.proc = watchdog.spawn(["head", "--temp-dir", self.temp_dir, "--", *cmd], stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        log.info("starting local Ray head (dashboard %s, token dir %s, temp dir %s)", self.job_address,
+                 self.token_path.parent if self.token_path else "none: auth off", self.temp_dir)
+        dirs = [self.temp_dir, *([str(self.token_path.parent)] if self.token_path else [])]  # the watchdog removes both, however we die
+        self.proc = watchdog.spawn(["head", *[a for d in dirs for a in ("--temp-dir", d)], "--", *cmd], stdout=self.log_file,
+                                   stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -123,7 +123,7 @@ def kill_descendants(timeout: float = 10.0) -> list[int]:
         time.sleep(0.05)
 
 
-def run_head(parent: int, cmd: list[str], temp_dir: str | None, grace: float) -> int:
+def run_head(parent: int, cmd: list[str], temp_dirs: list[str], grace: float) -> int:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append("stop"))
@@ -156,8 +156,8 @@ def run_head(parent: int, cmd: list[str], temp_dir: str | None, grace: float) ->
         left = kill_descendants()
         if left:
             _say(f"could not kill {left}")
-        if temp_dir:
-            shutil.rmtree(temp_dir, ignore_errors=True)  # session logs, sockets, spilled objects
+        for temp_dir in temp_dirs:  # session logs, sockets, spilled objects; the head's token
+            shutil.rmtree(temp_dir, ignore_errors=True)
     return code
 
 
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("head", help="run CMD (the Ray head); kill it and everything it started when the parent dies")
     p.add_argument("--parent", type=int, required=True)
-    p.add_argument("--temp-dir")
+    p.add_argument("--temp-dir", action="append", default=[], help="removed once the head is gone (repeatable)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds `ray start` gets to stop on an orderly stop")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     p = sub.add_parser("job", help="stop a Ray job when the parent dies")

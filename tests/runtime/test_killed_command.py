@@ -124,6 +124,7 @@ def test_sigkill_of_the_command_takes_its_embedded_head_along_then_resume_is_bit
     wait_for_checkpoint(cmd, log, out / "checkpoints", "step_000003")
     text = log.read_text()
     job_id, temp_dir = job_id_in(text, "sft"), re.search(r"temp dir (\S+)\)", text).group(1)
+    token_dir = re.search(r"token dir (\S+),", text).group(1)
     tree = descendants(cmd.pid)  # watchdog, ray start, GCS, raylet, dashboard, workers, job driver, ...
     job = processes_of_job(job_id)
     assert job and set(job) <= set(tree), (job, tree)
@@ -135,7 +136,7 @@ def test_sigkill_of_the_command_takes_its_embedded_head_along_then_resume_is_bit
     assert wait_for(lambda: not any(alive(p) for p in tree), 10), [(p, cmdline(p)) for p in tree if alive(p)]
     print(f"{len(tree)} processes of the head (job: {len(job)}) gone {time.time() - t0:.2f} s after the kill")
     assert not processes_of_job(job_id)
-    assert not os.path.exists(temp_dir)  # the head's session files went with it
+    assert not os.path.exists(temp_dir) and not os.path.exists(token_dir)  # the head's session files and token went with it
     before = snapshot(out)
     time.sleep(2)
     assert snapshot(out) == before, "something still writes to the output directory"
