@@ -63,6 +63,8 @@ def verify_chain(path: str | Path, _seen: set | None = None) -> list[str]:
     problems += dvc_lock_check(root)
     for record in load(root)["inputs"]:
         src = Path(record["path"])
+        if record["kind"] == "hub":  # by name (and revision): pin `@REVISION` for a reproducible input
+            continue
         if record["kind"] == "artifact":
             try:
                 parent = artifact_root(src)
@@ -100,7 +102,9 @@ def render(path: str | Path, indent: str = "") -> str:
     if metrics:
         lines.append(f"{indent}  {metrics}")
     for record in m["inputs"]:
-        if record["kind"] == "artifact":
+        if record["kind"] == "hub":
+            lines.append(f"{indent}    hub {record['path']}" + ("" if "@" in record["path"] else " (no revision pinned)"))
+        elif record["kind"] == "artifact":
             lines.append(render(record["path"], indent + "    "))
         else:
             files = record["files"]

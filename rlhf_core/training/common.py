@@ -109,7 +109,9 @@ def eval_accuracy(group, tokenizer, prompts: list[list[int]], labels: list[str],
 
 def data_fingerprint(cfg: TrainConfig) -> str:
     """Everything that fixes which sample lands in which step; a change makes resume unsafe."""
-    parts = {"train": hash_tree(cfg.train_data), "seed": cfg.seed, "batch": cfg.global_batch_size, "max_len": cfg.max_len}
+    hub = cfg.train_data.startswith(models_load.HUB_PREFIX)  # by name and revision: pin `@REVISION` to resume safely
+    parts = {"train": cfg.train_data if hub else hash_tree(cfg.train_data), "seed": cfg.seed, "batch": cfg.global_batch_size,
+             "max_len": cfg.max_len}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -140,7 +142,10 @@ def finish(out_dir: Path, stage: str, cfg: TrainConfig, metrics: dict, extra_inp
     if history.exists():  # `dvc plots` reads JSON (a list of rows), not JSON lines
         rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
         atomic.write_text(out_dir / "train_history.json", json.dumps(rows))
-    records_of_paths = [input_record(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p and Path(p).exists()]
+    paths = [str(p) for p in (cfg.model_path, cfg.train_data, cfg.eval_data, *extra_inputs) if p]
+    # a hub model or dataset (`hf://NAME[@REVISION]`) is recorded by name: nothing local to hash
+    records_of_paths = [{"path": p, "kind": "hub"} if p.startswith(models_load.HUB_PREFIX) else input_record(p)
+                        for p in paths if p.startswith(models_load.HUB_PREFIX) or Path(p).exists()]
     inputs = list({r["path"]: r for r in records_of_paths}.values())  # train and eval data often share one artifact
     inputs += [r for r in records if r["path"] not in {i["path"] for i in inputs}]  # an artifact's manifest already covers its files
     write_manifest(out_dir, stage=stage, config=config_to_dict(cfg), config_sha256=config_hash(cfg), inputs=inputs,

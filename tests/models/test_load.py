@@ -94,3 +94,23 @@ def test_the_vllm_engine_gets_the_stripped_hub_id_and_never_a_typo(tmp_path, mon
     assert made == []
     VLLMEngine("hf://org/name@v1", max_model_len=64, seed=0)
     assert (made[0]["model"], made[0]["revision"], made[0]["tokenizer_revision"]) == ("org/name", "v1", "v1")
+
+
+def test_a_hub_input_is_recorded_by_name_in_the_manifest_and_lineage(tmp_path, monkeypatch):
+    """A stage started from `hf://ORG/NAME@REV` names it in its manifest (nothing local to hash):
+    `lineage show` lists it, flags an unpinned one, and `lineage verify` does not call it missing."""
+    from rlhf_core.artifacts.lineage import render, verify_chain
+    from rlhf_core.training import common
+    from rlhf_core.training.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "response": "2"}\n')
+    for name, ref in (("pinned", "hf://org/name@v1"), ("floating", "hf://org/name")):
+        out = tmp_path / name
+        out.mkdir()
+        common.finish(out, "sft", TrainConfig(model_path=ref, train_data="train.jsonl", eval_data=""), {"eval/accuracy": 0.5})
+        inputs = json.loads((out / "manifest.json").read_text())["inputs"]
+        assert {"path": ref, "kind": "hub"} in inputs and any(i["kind"] == "data" for i in inputs)
+        assert verify_chain(out) == []
+        shown = render(out)
+        assert f"hub {ref}" in shown and (("no revision pinned" in shown) == (name == "floating"))
