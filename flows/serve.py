@@ -48,11 +48,10 @@ def deployments(repo: str, cron: str = "0 2 * * *"):
 def api_auth(repo: str | Path) -> tuple[str, Path]:
     """(auth string, its file): REPO/.prefect/api-auth, made at the first call (`rlhf:<token>`, mode
     0600, directory 0700), reused after."""
-    from rlhf_core.atomic import secret_file
+    from rlhf_core.atomic import private_dir, secret_file
 
-    path = Path(repo) / ".prefect" / "api-auth"
+    path = private_dir(Path(repo) / ".prefect") / "api-auth"  # 0700 even if it existed: the server's database lives there
     auth, _ = secret_file(path, lambda: f"rlhf:{secrets.token_urlsafe(32)}", "Prefect API auth file")
-    path.parent.chmod(0o700)  # the server's database lives beside it
     return auth, path
 
 

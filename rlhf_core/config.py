@@ -8,7 +8,7 @@ sections (`rl.kl.coef`).  Loading is strict: an unknown key or a value of the wr
 Credentials in a URL (`reward_url: https://user:pass@host/score`, `...?token=...`) never reach a
 file: `config_to_dict` (hence the resolved config, manifests, `rlhf config show`) and `config_hash`
 see them as `***`; `config_secrets` lists the real values, which `rlhf stage run` hands to its
-job through the job's environment, and the job puts back (`restore_secrets`).
+job in a 0600 file by path (`runtime/jobs.py:Secrets`), and the job puts back (`restore_secrets`).
 """
 from __future__ import annotations
 

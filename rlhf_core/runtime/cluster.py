@@ -104,11 +104,12 @@ def auth_headers(environ=None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def job_client(address: str):
-    """A JobSubmissionClient for `address` that sends our token (`auth_headers`)."""
+def job_client(address: str, environ=None):
+    """A JobSubmissionClient for `address` that sends the token `environ` (default ours) names
+    (`auth_headers`)."""
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address, headers=auth_headers() or None)
+    return JobSubmissionClient(address, headers=auth_headers(environ) or None)
 
 
 class LocalRayHead:
@@ -146,9 +147,7 @@ class LocalRayHead:
 
     def client(self):
         """A JobSubmissionClient of this head, with its token."""
-        from ray.job_submission import JobSubmissionClient
-
-        return JobSubmissionClient(self.job_address, headers=self.headers or None)
+        return job_client(self.job_address, self.auth_env)
 
     def _get(self, path: str, timeout: float):
         return urllib.request.urlopen(urllib.request.Request(self.job_address + path, headers=self.headers), timeout=timeout)
