@@ -17,7 +17,7 @@ are then those of the unpacked sample (up to float summation order), and so are 
 the shared prompt states receive the sum of the k samples' gradients, as k copies would.
 
 `pack_rows` builds the packed row(s) and an index that scatters the packed logits back into the
-usual `(B, T-1)` layout (rl_step's module doc), so every loss and statistic downstream is
+usual `(B, T-1)` layout (`rlhf_core/rl/collate.py`'s module doc), so every loss and statistic downstream is
 unchanged: only the forward is packed.  A group longer than `max_len` goes into several rows
 (each with its own copy of the prompt).  No Ray, no I/O.
 """

@@ -120,7 +120,7 @@ class HFEngine:
         self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval().to(self.device)
         self.eos = self.model.generation_config.eos_token_id
         # a VLM's image placeholder is never sampled (a response image token would have no picture;
-        # the trainers take it out of their distribution too: rl_step.policy_logits)
+        # the trainers take it out of their distribution too: rlhf_core.rl.collate.policy_logits)
         image_id = getattr(self.model.config, "image_token_index", None)
         self.suppressed = torch.tensor([image_id], device=self.device) if image_id is not None else None
 

@@ -1,4 +1,4 @@
-"""The non-training roles of an RL step, run as Ray actors by `stages/rl.py`.
+"""The non-training roles of an RL step, run as Ray actors by `rlhf_core/rl/roles.py`.
 
   RolloutWorker   holds a generation engine; plays agent episodes; takes weight syncs in place
   RewardWorker    runs the reward sources (user code lives here, never in the trainer)

@@ -7,7 +7,8 @@ import torch
 from conftest import make_batch
 
 from rlhf_core.models.shared_prefix import pack_rows, segment_mask
-from rlhf_core.training import rl_step
+from rlhf_core.rl.collate import RLCollate, logprobs_fn, values_fn
+from rlhf_core.rl.objective import CriticObjective, PolicyObjective
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +56,7 @@ def rl_batch(packed: bool):
             samples.append({"token_ids": prompt + response, "prompt_len": len(prompt), "action_mask": mask, "group": g,
                             "score": float(k == 0), "advantages": [0.5 - k * 0.4] * n, "ref_logprobs": [-3.0] * n,
                             "engine_logprobs": [-3.0] * n, "old_values": [0.0] * n, "returns": [1.0] * n})
-    batch = rl_step.RLCollate(0, keys=("action_mask", "advantages", "ref_logprobs", "engine_logprobs", "old_values", "returns"),
+    batch = RLCollate(0, keys=("action_mask", "advantages", "ref_logprobs", "engine_logprobs", "old_values", "returns"),
                               shared_prefix=packed)(make_batch(samples))
     assert ("pack_index" in batch) == packed
     return batch
@@ -66,9 +67,9 @@ def test_packed_forward_equals_unpacked_logprobs_loss_and_gradients(attn):
     model = tiny(attn=attn)
     plain, packed = rl_batch(False), rl_batch(True)
     assert packed["pack_input_ids"].numel() < plain["input_ids"].numel()
-    for a, b in zip(rl_step.logprobs_fn(model, plain, 0.7), rl_step.logprobs_fn(model, packed, 0.7)):
+    for a, b in zip(logprobs_fn(model, plain, 0.7), logprobs_fn(model, packed, 0.7)):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
-    loss_fn = dataclasses.replace(rl_step.PolicyObjective("ppo", 0.2, 0.2, None, "token-mean", 1, temperature=0.7, entropy_coef=0.01),
+    loss_fn = dataclasses.replace(PolicyObjective("ppo", 0.2, 0.2, None, "token-mean", 1, temperature=0.7, entropy_coef=0.01),
                                   kl_loss_coef=0.1)
     counts = {"num_tokens": 20, "num_seqs": 6}
     grads = []
@@ -85,9 +86,9 @@ def test_packed_forward_equals_unpacked_logprobs_loss_and_gradients(attn):
 def test_packed_critic_values_and_loss_equal_unpacked():
     critic = tiny("Qwen3ForTokenClassification")
     plain, packed = rl_batch(False), rl_batch(True)
-    for a, b in zip(rl_step.values_fn(critic, plain), rl_step.values_fn(critic, packed)):
+    for a, b in zip(values_fn(critic, plain), values_fn(critic, packed)):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
-    loss_fn = rl_step.CriticObjective(0.2, "token-mean", 1)
+    loss_fn = CriticObjective(0.2, "token-mean", 1)
     counts = {"num_tokens": 20, "num_seqs": 6}
     a, b = loss_fn(critic, plain, counts)[0], loss_fn(critic, packed, counts)[0]
     assert float(a) == pytest.approx(float(b), abs=1e-6)
@@ -159,6 +160,6 @@ def test_packed_forward_under_bf16_autocast(attn):
     model = tiny(attn=attn)
     plain, packed = rl_batch(False), rl_batch(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a, b = rl_step.logprobs_fn(model, plain), rl_step.logprobs_fn(model, packed)
+        a, b = logprobs_fn(model, plain), logprobs_fn(model, packed)
     for x, y in zip(a, b):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=0.1, rtol=0.05)

@@ -48,8 +48,8 @@ def test_hf_engine_feeds_the_pixels_and_reports_the_trainers_logprobs(tmp_path):
     from rlhf_core.algos.losses import token_logprobs
     from rlhf_core.data.images import VisionInputs
     from rlhf_core.models.load import load_processor
+    from rlhf_core.rl.collate import policy_logits
     from rlhf_core.rollout.engines import HFEngine
-    from rlhf_core.training.rl_step import policy_logits
 
     rows = generate_shapes(ShapesConfig(num_train=8, num_eval=1), seed=0)["train"]
     tok = build_tokenizer([r["prompt"] + " " + r["label"] for r in rows] * 5, vocab_size=300)
@@ -93,10 +93,10 @@ def test_multi_turn_image_feedback_flows_token_in_token_out(tmp_path):
     from rlhf_core.data.images import VisionInputs
     from rlhf_core.data.shapes import mark_objects
     from rlhf_core.models.load import load_processor, load_tokenizer
+    from rlhf_core.rl.collate import RLCollate, policy_logits
     from rlhf_core.rollout.agents import LocalEnvironments, RetryCounting, run_episodes
     from rlhf_core.rollout.batch import RolloutBatch
     from rlhf_core.rollout.engines import HFEngine
-    from rlhf_core.training.rl_step import RLCollate, policy_logits
 
     rows = generate_shapes(ShapesConfig(num_train=8, num_eval=1), seed=0)["train"]
     path = tmp_path / "scene.png"

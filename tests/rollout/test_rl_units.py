@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import JsonHandler, make_batch
 
+from rlhf_core.rl import collate as rl_collate
+from rlhf_core.rl.advantages import compute_advantages
 from rlhf_core.rollout import rewards as R
 from rlhf_core.rollout.agents import LocalEnvironments, RetryArithmetic, SingleTurn, environments, run_episodes
 from rlhf_core.rollout.engines import Completion
-from rlhf_core.training import rl_step
 
 pytestmark = pytest.mark.unit
 
@@ -27,22 +28,22 @@ def sample(prompt_len, response, mask, group, score, **kw):
 def test_collate_aligns_response_lists_with_next_token_logits():
     s = sample(3, [7, 8], [1, 1], 0, 1.0, old=[-0.5, -0.25])
     s2 = sample(2, [9, 9, 9], [1, 0, 1], 0, 0.0, old=[-1.0, 0.0, -2.0])
-    b = rl_step.RLCollate(pad_id=0, keys=("action_mask", "old_logprobs"))(make_batch([s, s2]))
+    b = rl_collate.RLCollate(pad_id=0, keys=("action_mask", "old_logprobs"))(make_batch([s, s2]))
     assert b["input_ids"].tolist() == [[1, 2, 3, 7, 8], [1, 2, 9, 9, 9]]
     # token at absolute position p is predicted by logits row p - 1
     assert b["action_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 1]]
     assert b["old_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, -1.0, 0.0, -2.0]]
-    assert rl_step._slices(b["old_logprobs"], b) == [[-0.5, -0.25], [-1.0, 0.0, -2.0]]
+    assert rl_collate._slices(b["old_logprobs"], b) == [[-0.5, -0.25], [-1.0, 0.0, -2.0]]
 
 
 def test_grpo_advantages_broadcast_group_normalised_score():
     samples = make_batch([sample(2, [5, 6], [1, 1], 0, s) for s in (1.0, 0.0, 0.0, 1.0)] + [sample(2, [5], [1], 1, 0.5)])
-    out, stats = rl_step.compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
+    out, stats = compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
                                             whiten_gae=False, reward_clip=None)
     assert out.per_token("advantages", 0) == pytest.approx([0.86603, 0.86603], abs=1e-4)
     assert out.per_token("advantages", 1) == pytest.approx([-0.86603, -0.86603], abs=1e-4)
     assert out.per_token("advantages", 4) == [0.0]  # a group of one has no baseline
-    verl_style, _ = rl_step.compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
+    verl_style, _ = compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
                                                whiten_gae=False, reward_clip=None, singleton_group="score")
     assert verl_style.per_token("advantages", 4) == [0.5]  # rl.singleton_group=score: its raw score, as verl
     assert samples.advantages is None  # a new batch: the input is not mutated
@@ -51,7 +52,7 @@ def test_grpo_advantages_broadcast_group_normalised_score():
 
 def test_kl_in_reward_and_masked_env_tokens():
     s = sample(2, [5, 6, 7], [1, 0, 1], 0, 1.0, old=[-1.0, 0.0, -1.0], ref=[-2.0, 0.0, -2.0])
-    out, _ = rl_step.compute_advantages(make_batch([s]), "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0,
+    out, _ = compute_advantages(make_batch([s]), "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0,
                                         lam=1.0, whiten_gae=False, reward_clip=None)
     # k1 = 1 on each action token; rewards [-0.5, 0 (env), 1 - 0.5]; returns [0, _, 0.5]; env token stays 0
     assert out.per_token("returns", 0) == pytest.approx([0.0, 0.0, 0.5])
@@ -61,7 +62,7 @@ def test_kl_in_reward_and_masked_env_tokens():
 def test_kl_clamp_bounds_the_reward_side_kl():
     s = sample(2, [5, 6], [1, 1], 0, 1.0, old=[-1.0, 0.0], ref=[-13.0, -0.5])  # k1 = 12, 0.5
     for clamp, expected in ((None, [12.0, 0.5]), (10.0, [10.0, 0.5])):
-        out, _ = rl_step.compute_advantages(make_batch([s]), "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0,
+        out, _ = compute_advantages(make_batch([s]), "reinforce_pp", kl_coef=0.5, kl_in_reward=True, kl_estimator="k1", gamma=1.0,
                                             lam=1.0, whiten_gae=False, reward_clip=None, kl_clamp=clamp)
         assert out.per_token("kl", 0) == pytest.approx(expected)
 
@@ -248,10 +249,10 @@ def test_trainer_logprobs_are_the_engines_at_the_sampling_temperature(tiny, temp
     prompt = tok("Q: 12+30= A:").input_ids
     out = HFEngine(str(path), max_model_len=64, seed=0).generate([prompt], [6], temperature, [7])[0]
     sample = {"token_ids": prompt + out.token_ids, "prompt_len": len(prompt), "action_mask": [1] * len(out.token_ids)}
-    batch = rl_step.RLCollate(pad_id=tok.pad_token_id, keys=("action_mask",))(make_batch([sample]))
+    batch = rl_collate.RLCollate(pad_id=tok.pad_token_id, keys=("action_mask",))(make_batch([sample]))
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        trainer = rl_step.logprobs_fn(model, batch, temperature=temperature)[0]
+        trainer = rl_collate.logprobs_fn(model, batch, temperature=temperature)[0]
     assert trainer == pytest.approx(out.logprobs, abs=1e-5)
 
 
@@ -310,8 +311,9 @@ def _episodes(n):
 def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
     """A raising reward marks every sample invalid (with the reason) and the step aborts above the
     threshold; a wrong count is an error; nothing becomes 0.0."""
+    from rlhf_core.rl.config import Config
+    from rlhf_core.rl.sampling import apply_rewards
     from rlhf_core.rollout.workers import RewardWorker
-    from stages.rl import Config, apply_rewards
 
     def worker(body):
         f = tmp_path / f"r{abs(hash(body))}.py"

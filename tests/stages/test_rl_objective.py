@@ -1,6 +1,6 @@
 """The rl stage's objective as its workers run it, and its config checks (issue 16, items 5-7).
 
-`stages.rl.make_losses` builds the loss functions the policy workers get; these tests evaluate
+`rlhf_core.rl.objective.make_losses` builds the loss functions the policy workers get; these tests evaluate
 them on hand-made batches, so a setting that does not reach the loss (GSPO's defaults, DAPO
 clip-higher, TIS, the sampling temperature) fails here with the number it should have produced.
 """
@@ -13,10 +13,12 @@ from conftest import rlhf
 
 from rlhf_core.algos.losses import token_logprobs
 from rlhf_core.config import ConfigError, from_dict
+from rlhf_core.rl import objective, sampling
+from rlhf_core.rl.config import Config
+from rlhf_core.rl.objective import make_losses, policy_loss_settings
+from rlhf_core.rl.sampling import sample_batch
 from rlhf_core.rollout.producer import RolloutProducer
 from rlhf_core.training.loop import take
-from stages import rl
-from stages.rl import Config, make_losses, policy_loss_settings
 
 pytestmark = pytest.mark.unit
 
@@ -43,10 +45,10 @@ def policy(cfg: Config):
 def test_async_samples_get_tis_unless_a_correction_is_set():
     """bench/async.py: without a correction, 20 async steps fell to 0.69 (k=1) and 0.36 (k=2)
     against sync's 0.815; with tis 0.85 and 0.775.  So async defaults to it; `none` opts out."""
-    assert rl.is_correction(Config()) is None
-    assert rl.is_correction(Config(mode="async", layout="separate")) == "tis"
-    assert rl.is_correction(Config(mode="async", layout="separate", is_correction="icepop")) == "icepop"
-    assert rl.is_correction(Config(mode="async", layout="separate", is_correction="none")) is None
+    assert objective.is_correction(Config()) is None
+    assert objective.is_correction(Config(mode="async", layout="separate")) == "tis"
+    assert objective.is_correction(Config(mode="async", layout="separate", is_correction="icepop")) == "icepop"
+    assert objective.is_correction(Config(mode="async", layout="separate", is_correction="none")) is None
     assert make_losses(Config(mode="async", layout="separate"))[0].is_correction == "tis"
     assert make_losses(Config(is_correction="none"))[0].is_correction is None
 
@@ -99,8 +101,8 @@ def test_async_and_hybrid_engine_settings_are_checked_at_config_time():
         from_dict(Config, {"offload_trainer": True, "zero_stage": 1})  # no GPU
     assert from_dict(Config, {"offload_trainer": True, "zero_stage": 1, "gpus_per_worker": 1.0}).offload_trainer
     cfg = from_dict(Config, {"mode": "async", "layout": "separate", "partial_rollout_tokens": 2})
-    assert rl.recompute_old(cfg)  # the trainer's proximal log-probs: the samples are older than its weights
-    assert not rl.recompute_old(from_dict(Config, {}))
+    assert objective.recompute_old(cfg)  # the trainer's proximal log-probs: the samples are older than its weights
+    assert not objective.recompute_old(from_dict(Config, {}))
 
 
 def test_scale_out_settings_are_checked_at_config_time():
@@ -155,10 +157,10 @@ def test_dynamic_sampling_refills_the_batch_from_further_prompts(monkeypatch):
         scores = [float(batch.sample_index[i]) if varies(batch, i) else 1.0 for i in range(len(batch))]
         return batch.with_columns(score=scores, reward=scores, invalid=[None] * len(batch), components=[{}] * len(batch)), 0
 
-    monkeypatch.setattr(rl, "score", fake_score)
+    monkeypatch.setattr(sampling, "score", fake_score)
     cfg = Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True, dynamic_sampling_rounds=8)
     times = {"rollout_s": 0.0, "rollout_busy_s": 0.0, "reward_s": 0.0}
-    samples, invalid, drawn, rounds = rl.sample_batch(None, cfg, producer(cfg), 0, times)
+    samples, invalid, drawn, rounds = sample_batch(None, cfg, producer(cfg), 0, times)
     kept = samples.where("kept")
     assert len(set(kept.group)) == 4 and len(kept) == 8  # the batch is full
     assert all(varies(kept, i) for i in range(len(kept))) and rounds > 1 and drawn == 4 * rounds
@@ -166,11 +168,11 @@ def test_dynamic_sampling_refills_the_batch_from_further_prompts(monkeypatch):
     assert all(f in ("kept", "surplus") for i, f in enumerate(samples.filter) if varies(samples, i))
     # bounded: with one round it trains on what it kept
     one = Config(prompts_per_step=4, n_samples=2, global_batch_size=8, dynamic_sampling=True, dynamic_sampling_rounds=1)
-    short, _, drawn, rounds = rl.sample_batch(None, one, producer(one), 0, times)
+    short, _, drawn, rounds = sample_batch(None, one, producer(one), 0, times)
     assert rounds == 1 and drawn == 4 and len(set(short.where("kept").group)) < 4
     # off: one round, nothing filtered
     off = Config(prompts_per_step=4, n_samples=2, global_batch_size=8)
-    plain, _, drawn, rounds = rl.sample_batch(None, off, producer(off), 0, times)
+    plain, _, drawn, rounds = sample_batch(None, off, producer(off), 0, times)
     assert (drawn, rounds) == (4, 1) and set(plain.filter) == {"kept"}
 
 
@@ -214,11 +216,12 @@ def test_kl_estimator_and_clamp_reach_the_loss_and_the_advantages():
 
 def test_old_logprobs_are_recomputed_only_where_they_can_differ_from_the_policys():
     """The on-policy shortcut (TRL, verl): one update per step and the KL as a loss -> no forward."""
-    assert rl.updates_per_step(Config()) == 1 and not rl.recompute_old(Config())  # the default: 64 x 8 in one update
-    assert rl.recompute_old(Config(ppo_epochs=2))
-    assert rl.updates_per_step(Config(global_batch_size=128)) == 4 and rl.recompute_old(Config(global_batch_size=128))
-    assert rl.recompute_old(Config(kl_mode="reward"))  # the KL penalty in the reward reads them before any update
-    assert rl.recompute_old(Config(recompute_old_logprobs=True)) and not rl.recompute_old(Config(ppo_epochs=2, recompute_old_logprobs=False))
+    assert objective.updates_per_step(Config()) == 1 and not objective.recompute_old(Config())  # the default: 64 x 8 in one update
+    assert objective.recompute_old(Config(ppo_epochs=2))
+    assert objective.updates_per_step(Config(global_batch_size=128)) == 4 and objective.recompute_old(Config(global_batch_size=128))
+    assert objective.recompute_old(Config(kl_mode="reward"))  # the KL penalty in the reward reads them before any update
+    assert objective.recompute_old(Config(recompute_old_logprobs=True))
+    assert not objective.recompute_old(Config(ppo_epochs=2, recompute_old_logprobs=False))
 
 
 def test_without_old_logprobs_the_loss_and_gradient_are_those_of_ratio_one():
@@ -251,13 +254,13 @@ def test_without_old_logprobs_the_loss_and_gradient_are_those_of_ratio_one():
 def test_without_old_logprobs_the_kl_statistic_reads_the_engines():
     from conftest import make_batch
 
-    from rlhf_core.training import rl_step
+    from rlhf_core.rl.advantages import compute_advantages
 
     def sample(**kw):
         return {"token_ids": [1, 2, 5, 6], "prompt_len": 2, "action_mask": [1, 1], "group": 0, "score": 1.0,
                 "ref_logprobs": [-1.0, -1.0], "engine_logprobs": [-0.5, -2.0], **kw}
     args = dict(algo="grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k1", gamma=1.0, lam=1.0, whiten_gae=False, reward_clip=None)
-    _, stats = rl_step.compute_advantages(make_batch([sample()]), **args)
+    _, stats = compute_advantages(make_batch([sample()]), **args)
     assert stats["kl"] == pytest.approx((-0.5 + 1.0) + (-2.0 + 1.0))  # k1 = engine - ref, summed over the response
-    _, stats = rl_step.compute_advantages(make_batch([sample(old_logprobs=[-1.0, -1.0])]), **args)
+    _, stats = compute_advantages(make_batch([sample(old_logprobs=[-1.0, -1.0])]), **args)
     assert stats["kl"] == pytest.approx(0.0)  # the trainer's old log-probs win where the step computed them
