@@ -36,18 +36,15 @@ def check_separate_resources(cfg: Config, with_critic: bool) -> None:
 
 
 def reward_actor(cfg: Config, placement: dict, pad_id: int, threads: int):
-    """The reward actor with every configured source (the built-in exact match when none is)."""
+    """The reward actor with every configured source (`rollout.rewards.REWARD_SOURCES`; the
+    built-in exact match when none is)."""
     import ray
 
+    from rlhf_core.rollout.rewards import selected_sources, source_weights
     from rlhf_core.rollout.workers import RewardWorker
 
-    builtin = not (cfg.reward_file or cfg.reward_model or cfg.reward_url) and cfg.agent == "single_turn" and not cfg.agent_file
-    weights = {"reward_file": cfg.reward_file_weight, "reward_model": cfg.reward_model_weight, "reward_url": cfg.reward_url_weight,
-               "env": cfg.env_reward_weight}
-    absolute = lambda p: str(Path(p).resolve()) if p and Path(p).exists() else p  # noqa: E731 (workers run elsewhere)
-    return ray.remote(RewardWorker).options(**placement).remote(
-        absolute(cfg.reward_file), absolute(cfg.reward_model), cfg.reward_url, weights, pad_id, cfg.reward_url_timeout,
-        cfg.reward_url_retries, builtin, cfg.trust_remote_code, threads, cfg.reward_url_protocol, absolute(cfg.reward_token_file) or None)
+    return ray.remote(RewardWorker).options(**placement).remote(sources=selected_sources(cfg, pad_id), weights=source_weights(cfg),
+                                                                threads=threads)
 
 
 class Roles:
@@ -66,8 +63,8 @@ class Roles:
         bounded = dict(timeout=cfg.rollout_timeout, timeout_setting="rollout_timeout")  # every call and train step
         # every role starts at once, waited for together below: the trainers' start (DeepSpeed) and
         # the engine's (vLLM's import and init) overlap instead of running one after the other
-        self.policy = WorkerGroup(cfg, model_path, "causal_lm", pad_id, share=share, name="policy", wait=False, **bounded)
-        self.critic = WorkerGroup(replace(cfg, lr=cfg.critic_lr), model_path, "value", pad_id, share=share,
+        self.policy = WorkerGroup(cfg, model_path, "causal_lm", pad_token_id=pad_id, share=share, name="policy", wait=False, **bounded)
+        self.critic = WorkerGroup(replace(cfg, lr=cfg.critic_lr), model_path, "value", pad_token_id=pad_id, share=share,
                                   pg=self.policy.pg if colocated else None, name="critic", wait=False, **bounded) if with_critic else None
 
         if not colocated:
@@ -93,10 +90,11 @@ class Roles:
         self.rollout = [
             actor.options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus, {cfg.rollout_resource: 1} if cfg.rollout_resource else None),
                           runtime_env=env).remote(
-                cfg.engine, model_path, cfg.max_len, cfg.seed + i, cfg.agent, cfg.agent_file and str(Path(cfg.agent_file).resolve()),
-                cfg.env_timeout, cfg.max_turns, cfg.dtype, cfg.gpu_memory_utilization, cfg.engine_sleep and cfg.engine_sleep_level,
-                cfg.trust_remote_code, threads,
-                cfg.partial_rollout_tokens, cfg.rollout_tensor_parallel)
+                engine=cfg.engine, model_path=model_path, max_len=cfg.max_len, seed=cfg.seed + i, agent=cfg.agent,
+                agent_file=cfg.agent_file and str(Path(cfg.agent_file).resolve()), env_timeout=cfg.env_timeout, max_turns=cfg.max_turns,
+                dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.engine_sleep and cfg.engine_sleep_level,
+                trust_remote_code=cfg.trust_remote_code, threads=threads, segment=cfg.partial_rollout_tokens,
+                tensor_parallel=cfg.rollout_tensor_parallel)
             for i in range(cfg.rollout_workers)
         ]
         # a reward model computes on a GPU where the engines have them; a reward file or URL needs none

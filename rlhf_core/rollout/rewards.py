@@ -12,6 +12,10 @@ A source maps a batch of samples to one float per sample, plus named components:
     remote reward protocol), with a timeout, bounded retries and exponential backoff, and an
     error that names the URL.
 
+`REWARD_SOURCES` is the table the rl stage selects from: each entry names a source's class, the
+rl settings that configure it, its weight setting and the settings that name local inputs.  Adding
+a source: its class here (or in a module of its own), one entry, a test.
+
 `combine` weights the sources.  A source that raises, returns None/NaN (as a reward or as any
 component) or the wrong number of values marks the affected samples *invalid* (NaN score + a reason); the stage counts them and
 aborts the step above a threshold.  Nothing is ever silently turned into 0.0.
@@ -25,7 +29,9 @@ import math
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
@@ -260,3 +266,60 @@ def combine(results: dict[str, tuple], weights: dict[str, float], n: int) -> tup
             if why[i] and not reasons[i]:
                 reasons[i] = why[i]
     return scores, components, reasons
+
+
+@dataclass(frozen=True)
+class RewardSource:
+    """A reward source as the rl stage selects it.  `settings(cfg, pad_token_id)`: the keyword
+    arguments `cls` is built with in the reward actor (local paths made absolute: the actor runs in
+    another directory), None when the run does not use it; `weight`: the rl setting weighing its
+    score in `combine`; `inputs`: the rl settings naming files its scores depend on (a resumed
+    checkpoint and the manifest's lineage cover them)."""
+    cls: type
+    settings: Callable[[Any, int], dict | None]
+    weight: str | None = None
+    inputs: tuple[str, ...] = ()
+
+
+def _local(path: str) -> str:
+    return str(Path(path).resolve()) if Path(path).exists() else path
+
+
+# The component name is the key: it names the source in `components`, in the history and in `weights`.
+REWARD_SOURCES: dict[str, RewardSource] = {
+    "reward_file": RewardSource(FunctionReward, lambda cfg, pad: {"path": _local(cfg.reward_file)} if cfg.reward_file else None,
+                                weight="reward_file_weight", inputs=("reward_file",)),
+    "reward_model": RewardSource(ModelReward, lambda cfg, pad: dict(path=_local(cfg.reward_model), pad_token_id=pad,
+                                                                    trust_remote_code=cfg.trust_remote_code) if cfg.reward_model else None,
+                                 weight="reward_model_weight", inputs=("reward_model",)),
+    "reward_url": RewardSource(HttpReward, lambda cfg, pad: dict(url=cfg.reward_url, timeout=cfg.reward_url_timeout, retries=cfg.reward_url_retries,
+                                                                 protocol=cfg.reward_url_protocol,
+                                                                 token_file=_local(cfg.reward_token_file) if cfg.reward_token_file else None)
+                               if cfg.reward_url else None, weight="reward_url_weight"),
+}
+BUILTIN = "exact_match"
+"""The source used when a single-turn run configures none: exact match against the row's label."""
+
+
+def selected_sources(cfg, pad_token_id: int) -> dict[str, dict]:
+    """{component name: constructor keywords} of the sources `cfg` (the rl config) turns on, in
+    `REWARD_SOURCES` order; the builtin exact match when none is and no environment rewards."""
+    chosen = {name: kw for name, src in REWARD_SOURCES.items() if (kw := src.settings(cfg, pad_token_id)) is not None}
+    if not chosen and cfg.agent == "single_turn" and not cfg.agent_file:
+        chosen = {BUILTIN: {}}
+    return chosen
+
+
+def source_weights(cfg) -> dict[str, float]:
+    """Each source's weight (the environment's own reward is the component `env`)."""
+    return {**{name: getattr(cfg, src.weight) for name, src in REWARD_SOURCES.items() if src.weight}, "env": cfg.env_reward_weight}
+
+
+def build_source(name: str, settings: dict):
+    """A source from `selected_sources`' entry (in the reward actor)."""
+    return BuiltinReward() if name == BUILTIN else REWARD_SOURCES[name].cls(**settings)
+
+
+def reward_inputs(cfg) -> tuple[str, ...]:
+    """The local files the configured sources' scores depend on (`RewardSource.inputs`)."""
+    return tuple(getattr(cfg, key) for src in REWARD_SOURCES.values() for key in src.inputs if getattr(cfg, key))

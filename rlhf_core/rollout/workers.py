@@ -29,7 +29,7 @@ class RolloutWorker(PeakMemory):
 
     SYNC_GROUP = "sync"
 
-    def __init__(self, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
+    def __init__(self, *, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
                  max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: int = 0,
                  trust_remote_code: bool = False, threads: int = 1, segment: int = 0, tensor_parallel: int = 1):
         from rlhf_core.rollout.agents import environments
@@ -146,21 +146,14 @@ class Locked:
 
 
 class RewardWorker(PeakMemory):
-    """Scores finished episodes with every configured source and combines them."""
+    """Scores finished episodes with every configured source and combines them.  `sources`:
+    {component name: constructor keywords} (`rewards.selected_sources`), `weights`: per component."""
 
-    def __init__(self, reward_file: str | None, reward_model: str | None, reward_url: str | None, weights: dict[str, float],
-                 pad_token_id: int, url_timeout: float, url_retries: int, builtin: bool = False, trust_remote_code: bool = False,
-                 threads: int = 1, url_protocol: str = "auto", url_token_file: str | None = None):
-        from rlhf_core.rollout import rewards as R
+    def __init__(self, *, sources: dict[str, dict], weights: dict[str, float], threads: int = 1):
+        from rlhf_core.rollout.rewards import build_source
 
         torch.set_num_threads(max(1, threads))  # a reward model's forward
-        self.sources = {"exact_match": R.BuiltinReward()} if builtin else {}
-        if reward_file:
-            self.sources["reward_file"] = R.FunctionReward(reward_file)
-        if reward_model:
-            self.sources["reward_model"] = R.ModelReward(reward_model, pad_token_id, trust_remote_code=trust_remote_code)
-        if reward_url:
-            self.sources["reward_url"] = R.HttpReward(reward_url, url_timeout, url_retries, protocol=url_protocol, token_file=url_token_file)
+        self.sources = {name: build_source(name, settings) for name, settings in sources.items()}
         self.weights = weights
 
     def ready(self) -> bool:

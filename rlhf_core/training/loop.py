@@ -83,7 +83,7 @@ class WorkerGroup:
     bounds every call and training step, in seconds (rl: `rl.rollout_timeout`): a wedged worker
     becomes a `TimeoutError` naming the call, never a hung job."""
 
-    def __init__(self, cfg: TrainConfig, model_path: str, model_kind: str, pad_token_id: int | None = None, share: float = 1.0, pg=None,
+    def __init__(self, cfg: TrainConfig, model_path: str, model_kind: str, *, pad_token_id: int | None = None, share: float = 1.0, pg=None,
                  timeout: float = 3600.0, name: str = "training", timeout_setting: str = "", wait: bool = True):
         import ray
         from ray.util.placement_group import placement_group
@@ -165,7 +165,7 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
     if Path(spec.model_path).exists():
         spec.model_path = str(Path(spec.model_path).resolve())
     start = Start.plan(cfg, spec.name, out_dir, spec.data_fingerprint, spec.upstream)
-    group = WorkerGroup(cfg, spec.model_path, spec.model_kind, spec.pad_token_id)
+    group = WorkerGroup(cfg, spec.model_path, spec.model_kind, pad_token_id=spec.pad_token_id)
     if spec.before_train:
         spec.before_train(group)
     state, resumed = start_or_resume(start, lambda p: group.call("load_checkpoint", str(p)))

@@ -318,7 +318,7 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
     def worker(body):
         f = tmp_path / f"r{abs(hash(body))}.py"
         f.write_text(body)
-        return RewardWorker(str(f), None, None, {}, 0, 1.0, 0)
+        return RewardWorker(sources={"reward_file": {"path": str(f)}}, weights={})
 
     cfg = Config(max_invalid_ratio=0.25)
     samples = make_batch(_episodes(4))
@@ -335,9 +335,32 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
     with pytest.raises(R.RewardError, match="returned 1 rewards for 4 samples"):
         worker("def reward(p, r, l, **kw):\n    return [1.0]\n").score(_episodes(4))
     with pytest.raises(R.RewardError, match="no reward source"):
-        RewardWorker(None, None, None, {}, 0, 1.0, 0).score(_episodes(1))
+        RewardWorker(sources={}, weights={}).score(_episodes(1))
     # the built-in default scores exact matches against the label
-    assert [x["score"] for x in RewardWorker(None, None, None, {}, 0, 1.0, 0, builtin=True).score(_episodes(2))] == [1.0, 1.0]
+    assert [x["score"] for x in RewardWorker(sources={"exact_match": {}}, weights={}).score(_episodes(2))] == [1.0, 1.0]
+
+
+def test_reward_sources_are_selected_from_the_registry(tmp_path):
+    """`REWARD_SOURCES` is the one table: what a config turns on, with which keywords and weights,
+    and which files a run depends on; every entry's weight and input settings are rl settings and
+    its keywords are its class's parameters."""
+    import dataclasses
+    import inspect
+
+    from rlhf_core.rl.config import Config
+
+    fields = {f.name for f in dataclasses.fields(Config)}
+    for name, src in R.REWARD_SOURCES.items():
+        assert {src.weight, *src.inputs} - {None} <= fields, name
+    (tmp_path / "r.py").write_text("def reward(p, r, l, **kw):\n    return [1.0] * len(r)\n")
+    cfg = Config(reward_file=str(tmp_path / "r.py"), reward_url="http://127.0.0.1:9/score", reward_url_weight=0.5)
+    chosen = R.selected_sources(cfg, pad_token_id=0)
+    assert list(chosen) == ["reward_file", "reward_url"] and chosen["reward_url"]["timeout"] == cfg.reward_url_timeout
+    for name, kwargs in chosen.items():
+        assert set(kwargs) <= set(inspect.signature(R.REWARD_SOURCES[name].cls).parameters), name
+    assert R.source_weights(cfg)["reward_url"] == 0.5 and R.reward_inputs(cfg) == (str(tmp_path / "r.py"),)
+    assert R.selected_sources(Config(), 0) == {"exact_match": {}}  # nothing configured: the exact match
+    assert R.selected_sources(Config(agent="retry_arithmetic"), 0) == {}  # the environment rewards
 
 
 def sequence_rm(tiny, name: str):
