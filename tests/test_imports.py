@@ -49,3 +49,60 @@ def test_packages_import_one_way():
     assert set(imports) - {"__init__"} <= set(layer), f"a new package: place it in LAYERS: {set(imports) - set(layer)}"
     upward = [f"{pkg} -> {dep}" for pkg, deps in imports.items() for dep in deps if pkg in layer and layer[dep] >= layer[pkg]]
     assert not upward, f"imports against the layering: {upward}"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """{module: the rlhf_core modules it imports}, function-level imports included (one hidden in a
+    function still runs, and still ties the two modules together)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f for f in (root / "rlhf_core").rglob("*.py")}
+    graph = {}
+    for name, f in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rlhf_core"):
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("rlhf_core")}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_back():
+    """Module level, not only package level: two modules that import each other (even inside a
+    function) are one module in two files.  The check finds a planted cycle."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = _module_imports()
+    assert "rlhf_core.rl.step" in graph and graph["rlhf_core.rl.step"]  # the scan sees the tree
+    assert not cycles(graph), f"modules importing each other: {cycles(graph)}"

@@ -21,103 +21,12 @@ runs in a child process of its own (`env_host.EnvironmentProcess`), where a call
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from rlhf_core.evaluation import completion_answer
+from rlhf_core.rollout.env_host import EnvironmentProcess
+from rlhf_core.rollout.environment import BUILTIN, RetryArithmetic, RetryCounting, SingleTurn, Step, load_environment, takes_images
 
-
-@dataclass
-class Step:
-    reward: float | None = None
-    """Environment reward for the episode so far (None: leave scoring to the reward sources)."""
-    feedback: str | None = None
-    """Text appended to the context before the model's next turn (masked out of the loss)."""
-    done: bool = True
-    images: list[bytes] | None = None
-    """Pictures shown with the feedback (encoded image bytes), one per `<image>` in it, in order."""
-
-
-class SingleTurn:
-    """One prompt, one answer: classic RLHF."""
-
-    def reset(self, prompt: str, label: str) -> str:
-        return prompt
-
-    def step(self, action: str) -> Step:
-        return Step(done=True)
-
-
-class RetryArithmetic:
-    """Multi-turn example: answer the question; a wrong answer gets the feedback
-    `" wrong, try again. A:"` and another turn, up to `max_turns`.  Reward 1 if any turn is right
-    (the episode's success), else 0.  Subclasses change only `retry()`, the wrong answer's feedback."""
-
-    max_turns = 3
-
-    def reset(self, prompt: str, label: str) -> str:
-        self.label, self.turn = str(label).strip(), 0
-        return prompt
-
-    def step(self, action: str) -> Step:
-        self.turn += 1
-        if completion_answer(action) == self.label:
-            return Step(reward=1.0, done=True)
-        if self.turn >= self.max_turns:
-            return Step(reward=0.0, done=True)
-        return self.retry()  # reward 0 so far (an episode cut short keeps it)
-
-    def retry(self) -> Step:
-        return Step(reward=0.0, feedback=" wrong, try again. A:", done=False)
-
-
-class RetryCounting(RetryArithmetic):
-    """Multi-turn with image feedback (the shapes task, `prepare.modality=vision`): a wrong count
-    gets the picture back with every object outlined and `" wrong, count again<image> A:"`, up to
-    `max_turns`.  Reward 1 if any turn is right, else 0."""
-
-    max_turns = 2
-
-    def reset(self, prompt: str, label: str, images: list | None = None) -> str:
-        if not images:
-            raise ValueError("agent retry_counting needs image rows (its feedback is the prompt's picture, marked): "
-                             "`rlhf prepare --set prepare.modality=vision` data and a vision-language model")
-        self.picture = images[0] if isinstance(images[0], bytes) else Path(images[0]).read_bytes()
-        return super().reset(prompt, label)
-
-    def retry(self) -> Step:
-        from rlhf_core.data.shapes import mark_objects
-        from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
-
-        return Step(reward=0.0, feedback=f" wrong, count again{IMAGE_TOKEN} A:", done=False, images=[mark_objects(self.picture)])
-
-
-BUILTIN = {"single_turn": SingleTurn, "retry_arithmetic": RetryArithmetic, "retry_counting": RetryCounting}
-
-
-def takes_images(env) -> bool:
-    """Whether an environment's `reset` wants the prompt's pictures (an `images` parameter)."""
-    import inspect
-
-    return "images" in inspect.signature(env.reset).parameters
-
-
-def load_environment(agent: str, agent_file: str | None):
-    """The Environment class: a built-in name, or `class Environment` from a user file."""
-    if agent_file:
-        path = Path(agent_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"agent_file {agent_file} does not exist")
-        spec = importlib.util.spec_from_file_location(f"rlhf_user_agent_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not hasattr(module, "Environment"):
-            raise AttributeError(f"{agent_file} must define `class Environment` with reset(prompt, label) and step(action)")
-        return module.Environment
-    if agent not in BUILTIN:
-        raise ValueError(f"unknown agent {agent!r}; built-ins: {sorted(BUILTIN)} (or set agent_file)")
-    return BUILTIN[agent]
+__all__ = ["BUILTIN", "RetryArithmetic", "RetryCounting", "SingleTurn", "Step", "load_environment", "takes_images"]  # the contract, re-exported
 
 
 @dataclass
@@ -166,8 +75,6 @@ def environments(agent: str, agent_file: str | None, timeout: float):
     bounded by `timeout` seconds (`env_host`), a built-in in this process."""
     load_environment(agent, agent_file)  # a missing file or class is an error now, in the caller
     if agent_file:
-        from rlhf_core.rollout.env_host import EnvironmentProcess
-
         return EnvironmentProcess(agent, agent_file, timeout)
     return LocalEnvironments(BUILTIN[agent])
 
@@ -180,7 +87,8 @@ def generate_turn(engine, contexts: list[list[int]], budgets: list[int], tempera
     continues from its tokens so far under the new weights.  Piece p > 0 of a context samples
     with its own seed (the first piece with the turn's, so segment=0 and one piece agree).
     `pixels`: per context its images' pixel values (a VLM), None where it has none."""
-    from rlhf_core.rollout.engines import Completion  # here: the environment host process imports this module, without torch
+    # here, not at the top: a user's environment file imports `agents.Step` in the environment host process, which needs no torch
+    from rlhf_core.rollout.engines import Completion
 
     images = {"pixels": pixels} if pixels and any(p is not None for p in pixels) else {}
     if segment <= 0:

@@ -22,6 +22,8 @@ import threading
 import time
 import traceback
 
+from rlhf_core.rollout.environment import Step, load_environment, takes_images
+
 _HEADER = struct.Struct("!Q")
 
 
@@ -97,8 +99,6 @@ class EnvironmentProcess:
         return self._request("reset", "reset", i, prompt, label, images)
 
     def step(self, i: int, action: str):
-        from rlhf_core.rollout.agents import Step
-
         reward, feedback, done, images = self._request("step", "step", i, action)
         return Step(reward=reward, feedback=feedback, done=done, images=images)
 
@@ -128,7 +128,6 @@ def _serve(agent: str, agent_file: str | None) -> None:
     proto_in, proto_out = sys.stdin.fileno(), os.dup(1)
     os.dup2(2, 1)  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
-    from rlhf_core.rollout.agents import load_environment, takes_images
 
     envs, env_cls, load_error = [], None, None
     try:

@@ -170,7 +170,7 @@ def run_job(parent: int, address: str, job_id: str, window: float) -> int:
     if done:
         return 0
     _say(f"parent {parent} is gone: stopping Ray job {job_id} at {address}")
-    from rlhf_core.runtime.cluster import job_client
+    from rlhf_core.runtime.ray_auth import job_client
 
     deadline = time.time() + window
     while True:
