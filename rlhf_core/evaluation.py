@@ -1,4 +1,4 @@
-"""Task metrics shared by the stages (ARCHITECTURE.md §3 metric keys)."""
+"""Task metrics shared by the stages (`eval/accuracy` and its kin in every stage's metrics.json)."""
 from __future__ import annotations
 
 

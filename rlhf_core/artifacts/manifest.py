@@ -1,6 +1,6 @@
 """`manifest.json` beside every artifact: what it is, exactly which bytes, and where it came from.
 
-Fields (ARCHITECTURE.md §6): stage, created_at, files {relpath: sha256}, inputs (datasets and
+Fields: stage, created_at, files {relpath: sha256}, inputs (datasets and
 parent artifacts with their hashes), config + config_sha256, git commit and dirty flag, library
 versions, seed, hardware, run ids, headline metrics.  No environment variables are recorded,
 and credentials in a config's URLs are redacted (`config.redact`), so no secret can leak into a

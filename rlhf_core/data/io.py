@@ -11,7 +11,7 @@ JSON/Parquet files: `hf:///abs/dir`); SPLIT defaults to `train` and may slice (`
 REVISION is a branch, tag or commit.  Its rows go through the same validation; image paths in
 a dataset with no local directory need `image_root` (`data/images.py`).
 
-Formats (ARCHITECTURE.md §3):
+Formats:
   sft   prompt, response      (or `messages`: [{role, content}, ...] with an assistant turn)
   pref  prompt, chosen, rejected
   rl    prompt, label          (also the eval format)

@@ -1,4 +1,4 @@
-"""Atomic, verified checkpoints (ARCHITECTURE.md §6).
+"""Atomic, verified checkpoints (docs/reliability.md: what a kill at any point leaves).
 
 Layout under `checkpoints/`:
   step_000050/            one complete checkpoint: engine state (DeepSpeed), per-rank RNG,

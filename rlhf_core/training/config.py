@@ -1,4 +1,4 @@
-"""Fields every training stage has (ARCHITECTURE.md §3); stage configs inherit and add their own."""
+"""Fields every training stage has; stage configs inherit and add their own (README: "Training stages")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
