@@ -16,12 +16,13 @@ from typing import Literal
 from rlhf_core import atomic
 from rlhf_core.algos.losses import dpo_loss, kto_loss, token_logprobs
 from rlhf_core.data.io import write_jsonl
-from rlhf_core.data.tokenize import forward_inputs, prompt_response
+from rlhf_core.data.tokenize import forward_inputs, prompt_response, tokenize_rows
 from rlhf_core.models.shared_prefix import model_logits
-from rlhf_core.training import common
+from rlhf_core.training import batching, entrypoint, inputs, results
 from rlhf_core.training.chassis import upstream_digest
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import StageSpec, save_final_model, train
+from rlhf_core.training.loop import StageSpec, train
+from rlhf_core.training.worker_group import save_final_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +93,7 @@ def loss_fn(model, batch, counts, beta: float, loss_type: str, label_smoothing: 
 
 
 def ref_logps_fn(model, batch):
-    return common.split_pairs(sequence_logps(model, batch)[0])
+    return batching.split_pairs(sequence_logps(model, batch)[0])
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def load_unpaired(cfg: Config, tokenizer, fmt, rejects_dir: Path) -> list[dict]:
     """KTO rows as the pair layout the workers batch: `chosen` = prompt_i + completion_i,
     `rejected` = prompt_i + completion_{i+1} (a mismatched completion, for KTO's KL reference
     point; fixed at load, so resumes see the same), `desirable` = the label as 1.0 / 0.0."""
-    rows = common.load_data(cfg.train_data, "unpaired", cfg, rejects_dir / "train.jsonl")
+    rows = inputs.load_data(cfg.train_data, "unpaired", cfg, rejects_dir / "train.jsonl")
     if len(rows) < 2:
         raise ValueError(f"dpo.loss_type=kto needs at least 2 rows in {cfg.train_data} "
                          "(the KL estimate pairs each prompt with another row's completion)")
@@ -115,28 +116,28 @@ def load_unpaired(cfg: Config, tokenizer, fmt, rejects_dir: Path) -> list[dict]:
         return {"chosen": real, "rejected": mismatched, "desirable": float(rows[i]["label"]),
                 "num_tokens": len(real["input_ids"]) + len(mismatched["input_ids"])}
 
-    examples, too_long = common.tokenize_rows([{"row_index_": i, "id": r.get("id")} for i, r in enumerate(rows)], example, cfg.max_len)
-    common.check_too_long(too_long, len(rows), cfg, rejects_dir / "train_too_long.jsonl")
+    examples, too_long = tokenize_rows([{"row_index_": i, "id": r.get("id")} for i, r in enumerate(rows)], example, cfg.max_len)
+    inputs.check_too_long(too_long, len(rows), cfg, rejects_dir / "train_too_long.jsonl")
     return examples
 
 
 def build_spec(cfg: Config, out_dir: Path):
-    tokenizer, vision = common.load_tokenizer(cfg), common.load_vision(cfg)
-    fmt = common.prompt_formatter(tokenizer, False, vision)
+    tokenizer, vision = inputs.load_tokenizer(cfg), inputs.load_vision(cfg)
+    fmt = inputs.prompt_formatter(tokenizer, False, vision)
     kto = cfg.loss_type == "kto"
     if kto and vision is not None:
         raise ValueError("dpo.loss_type=kto on a vision-language model is not supported yet (the pair losses are)")
-    pairs = load_unpaired(cfg, tokenizer, fmt, out_dir / "rejects") if kto else common.load_pairs(cfg.train_data, cfg, tokenizer, fmt,
+    pairs = load_unpaired(cfg, tokenizer, fmt, out_dir / "rejects") if kto else inputs.load_pairs(cfg.train_data, cfg, tokenizer, fmt,
                                                                                                   out_dir / "rejects", "train")
-    eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
+    eval_rows = inputs.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [fmt(r) for r in eval_rows]
-    held_out = (common.load_pairs(cfg.eval_pairs, cfg, tokenizer, fmt, out_dir / "rejects", "eval_pairs")
+    held_out = (inputs.load_pairs(cfg.eval_pairs, cfg, tokenizer, fmt, out_dir / "rejects", "eval_pairs")
                 if cfg.eval_pairs and Path(cfg.eval_pairs).exists() else [])
-    collate = common.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected") + (("desirable",) if kto else ()), vision=vision,
+    collate = batching.CollatePairs(tokenizer.pad_token_id, extra=("ref_chosen", "ref_rejected") + (("desirable",) if kto else ()), vision=vision,
                                   shared_prefix=cfg.shared_prefix)
-    plain = common.CollatePairs(tokenizer.pad_token_id, vision=vision, shared_prefix=cfg.shared_prefix)
-    pixels = common.eval_pixels(vision, eval_rows)
-    fingerprint = common.data_fingerprint(cfg)
+    plain = batching.CollatePairs(tokenizer.pad_token_id, vision=vision, shared_prefix=cfg.shared_prefix)
+    pixels = results.eval_pixels(vision, eval_rows)
+    fingerprint = inputs.data_fingerprint(cfg)
     cache = out_dir / "checkpoints" / "reference_logps.json"
 
     def compute_reference(group) -> None:
@@ -146,12 +147,12 @@ def build_spec(cfg: Config, out_dir: Path):
         if cached.get("key") == key:
             values = cached["logps"]
         else:
-            values = group.call_rank0("evaluate", common.batches(plain, pairs, cfg.eval_batch_size), ref_logps_fn)
+            values = group.call_rank0("evaluate", batching.batches(plain, pairs, cfg.eval_batch_size), ref_logps_fn)
             atomic.write_text(cache, json.dumps({"key": key, "logps": values}))
         for pair, (c, r) in zip(pairs, values):
             pair["ref_chosen"], pair["ref_rejected"] = c, r
         # the held-out pairs' reference too: these are the starting weights on every run, resumed or not
-        for pair, (c, r) in zip(held_out, group.call_rank0("evaluate", common.batches(plain, held_out, cfg.eval_batch_size), ref_logps_fn)):
+        for pair, (c, r) in zip(held_out, group.call_rank0("evaluate", batching.batches(plain, held_out, cfg.eval_batch_size), ref_logps_fn)):
             pair["ref_chosen"], pair["ref_rejected"] = c, r
 
     def held_out_rewards(group) -> tuple[list[dict], dict]:
@@ -159,7 +160,7 @@ def build_spec(cfg: Config, out_dir: Path):
         the decoded texts; and their accuracy / mean margin."""
         if not held_out:
             return [], {}
-        logps = group.call_rank0("evaluate", common.batches(plain, held_out, cfg.eval_batch_size), ref_logps_fn)
+        logps = group.call_rank0("evaluate", batching.batches(plain, held_out, cfg.eval_batch_size), ref_logps_fn)
         rows = [{"pair": i, "chosen": tokenizer.decode(p["chosen"]["input_ids"]), "rejected": tokenizer.decode(p["rejected"]["input_ids"]),
                  "chosen_reward": cfg.beta * (c - p["ref_chosen"]), "rejected_reward": cfg.beta * (r - p["ref_rejected"])}
                 for i, (p, (c, r)) in enumerate(zip(held_out, logps))]
@@ -167,13 +168,13 @@ def build_spec(cfg: Config, out_dir: Path):
         return rows, {"eval/rewards_accuracy": sum(m > 0 for m in margins) / len(rows), "eval/rewards_margin": sum(margins) / len(rows)}
 
     def evaluate(group) -> dict:
-        return common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg, pixels)
+        return results.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg, pixels)
 
     spec = StageSpec(name="dpo", model_path=cfg.model_path, model_kind="causal_lm", examples=pairs, collate=collate,
                      loss_fn=partial(loss_fn, beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing, nll_coef=cfg.nll_coef,
                                      desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight),
-                     counts=common.count_pairs, evaluate=evaluate, data_fingerprint=fingerprint,
-                     pad_token_id=tokenizer.pad_token_id, before_train=compute_reference, lineage=common.image_records(pairs))
+                     counts=batching.count_pairs, evaluate=evaluate, data_fingerprint=fingerprint,
+                     pad_token_id=tokenizer.pad_token_id, before_train=compute_reference, lineage=inputs.image_records(pairs))
     return spec, (vision.processor if vision else tokenizer), held_out_rewards  # a VLM's model/ gets its processor
 
 
@@ -188,13 +189,13 @@ def run(cfg: Config) -> dict:
     metrics.update(held_out_metrics)
     if rows:
         write_jsonl(out_dir / "eval_pair_rewards.jsonl", rows, ensure_ascii=True)
-    save_final_model(group, out_dir, saver, common.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
-    common.finish(out_dir, "dpo", cfg, metrics, extra_inputs=(cfg.eval_pairs,) if rows else (), records=spec.lineage)
+    save_final_model(group, out_dir, saver, results.model_card("dpo", cfg, metrics, f"DPO ({cfg.loss_type}, beta {cfg.beta}) from the sft model."))
+    results.finish(out_dir, "dpo", cfg, metrics, extra_inputs=(cfg.eval_pairs,) if rows else (), records=spec.lineage)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.stage_main(Config, "dpo", run, argv)
+    entrypoint.stage_main(Config, "dpo", run, argv)
 
 
 if __name__ == "__main__":

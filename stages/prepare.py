@@ -195,7 +195,7 @@ def run(cfg: Config) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Job entrypoint: `python -m stages.prepare --config resolved.json`."""
-    from rlhf_core.training.common import stage_main
+    from rlhf_core.training.entrypoint import stage_main
 
     stage_main(Config, "prepare", run, argv, needs_ray=False)
 

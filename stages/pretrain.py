@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.data.tokenize import pack_documents
-from rlhf_core.training import common
+from rlhf_core.training import batching, entrypoint, inputs, results
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.lm import count_tokens, loss_fn, make_evaluate
-from rlhf_core.training.loop import StageSpec, save_final_model, train
+from rlhf_core.training.loop import StageSpec, train
+from rlhf_core.training.worker_group import save_final_model
 
 log = logging.getLogger("rlhf.pretrain")
 
@@ -49,8 +50,8 @@ class Config(TrainConfig):
 
 
 def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
-    tokenizer = common.load_tokenizer(cfg)
-    rows = common.load_data(cfg.train_data, "text", cfg, out_dir / "rejects" / "train.jsonl")
+    tokenizer = inputs.load_tokenizer(cfg)
+    rows = inputs.load_data(cfg.train_data, "text", cfg, out_dir / "rejects" / "train.jsonl")
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     docs = [bos + tokenizer(r["text"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for r in rows]
     windows, dropped = pack_documents(docs, cfg.max_len, cfg.seed)
@@ -60,11 +61,11 @@ def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
     tokens = len(windows) * cfg.max_len
     log.info("%d documents -> %d windows of %d tokens (%d tokens, %d dropped at the end); %d steps see %.1f epochs",
              len(docs), len(windows), cfg.max_len, tokens, dropped, cfg.max_steps, cfg.max_steps * cfg.global_batch_size / len(windows))
-    collate = common.Collate(tokenizer.pad_token_id)
-    evaluate = make_evaluate(cfg, tokenizer, common.prompt_formatter(tokenizer, False), collate, out_dir)
+    collate = batching.Collate(tokenizer.pad_token_id)
+    evaluate = make_evaluate(cfg, tokenizer, inputs.prompt_formatter(tokenizer, False), collate, out_dir)
     spec = StageSpec(name="pretrain", model_path=cfg.model_path, model_kind="causal_lm", examples=windows, collate=collate,
                      loss_fn=loss_fn, counts=count_tokens, evaluate=evaluate,
-                     data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
+                     data_fingerprint=inputs.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
     return spec, tokenizer
 
 
@@ -73,14 +74,14 @@ def run(cfg: Config) -> dict:
     spec, tokenizer = build_spec(cfg, out_dir)
     group, metrics = train(spec, cfg, out_dir)
     metrics["train/tokens"] = metrics["train/steps"] * cfg.global_batch_size * cfg.max_len
-    card = common.model_card("pretrain", cfg, metrics, "Causal-LM pretraining with sequence packing (every token in the loss).")
+    card = results.model_card("pretrain", cfg, metrics, "Causal-LM pretraining with sequence packing (every token in the loss).")
     save_final_model(group, out_dir, tokenizer, card)
-    common.finish(out_dir, "pretrain", cfg, metrics)
+    results.finish(out_dir, "pretrain", cfg, metrics)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.stage_main(Config, "pretrain", run, argv)
+    entrypoint.stage_main(Config, "pretrain", run, argv)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ from rlhf_core import atomic
 from rlhf_core.algos.aggregation import masked_sum, pool_response
 from rlhf_core.algos.losses import RM_LOSSES, rm_centering_loss, token_logprobs
 from rlhf_core.models.shared_prefix import model_logits
-from rlhf_core.training import common
+from rlhf_core.training import batching, entrypoint, inputs, results
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.loop import StageSpec, save_final_model, train
+from rlhf_core.training.loop import StageSpec, train
+from rlhf_core.training.worker_group import save_final_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,23 +97,23 @@ def loss_fn(model, batch, counts, loss: str, margin: float, pooling: str, center
 
 
 def pair_rewards_fn(model, batch, pooling: str):
-    return common.split_pairs(rewards_of(model, batch, pooling))
+    return batching.split_pairs(rewards_of(model, batch, pooling))
 
 
 # --- driver ---------------------------------------------------------------------------------
 
 
 def build_spec(cfg: Config, out_dir: Path):
-    tokenizer = common.load_tokenizer(cfg)
-    fmt = common.prompt_formatter(tokenizer, False)
-    pairs = common.load_pairs(cfg.train_data, cfg, tokenizer, fmt, out_dir / "rejects", "train")
-    eval_pairs = common.load_pairs(cfg.eval_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval")
-    random_pairs = (common.load_pairs(cfg.eval_random_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval_random")
+    tokenizer = inputs.load_tokenizer(cfg)
+    fmt = inputs.prompt_formatter(tokenizer, False)
+    pairs = inputs.load_pairs(cfg.train_data, cfg, tokenizer, fmt, out_dir / "rejects", "train")
+    eval_pairs = inputs.load_pairs(cfg.eval_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval")
+    random_pairs = (inputs.load_pairs(cfg.eval_random_data, cfg, tokenizer, fmt, out_dir / "rejects", "eval_random")
                     if cfg.eval_random_data and Path(cfg.eval_random_data).exists() else None)
-    collate = common.CollatePairs(tokenizer.pad_token_id, shared_prefix=cfg.shared_prefix and cfg.pooling == "logprob")
+    collate = batching.CollatePairs(tokenizer.pad_token_id, shared_prefix=cfg.shared_prefix and cfg.pooling == "logprob")
 
     def pair_rewards(group, pairs) -> list:
-        return group.call_rank0("evaluate", common.batches(collate, pairs, cfg.eval_batch_size), partial(pair_rewards_fn, pooling=cfg.pooling))
+        return group.call_rank0("evaluate", batching.batches(collate, pairs, cfg.eval_batch_size), partial(pair_rewards_fn, pooling=cfg.pooling))
 
     def evaluate(group) -> dict:
         pr = pair_rewards(group, eval_pairs)
@@ -126,8 +127,8 @@ def build_spec(cfg: Config, out_dir: Path):
 
     spec = StageSpec(name="rm", model_path=cfg.model_path, model_kind=MODEL_KINDS[cfg.pooling], examples=pairs,
                      collate=collate, loss_fn=partial(loss_fn, loss=cfg.loss, margin=cfg.margin, pooling=cfg.pooling,
-                                                     center_rewards_coef=cfg.center_rewards_coef), counts=common.count_pairs,
-                     evaluate=evaluate, data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
+                                                     center_rewards_coef=cfg.center_rewards_coef), counts=batching.count_pairs,
+                     evaluate=evaluate, data_fingerprint=inputs.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id)
     return spec, tokenizer
 
 
@@ -138,18 +139,18 @@ def run(cfg: Config) -> dict:
     where = {"last": "the logit at the last non-pad token", "response_sum": "the per-token logits summed over the response tokens",
              "response_mean": "the per-token logits averaged over the response tokens",
              "logprob": "the response's summed log-probability under this causal LM"}[cfg.pooling]
-    card = common.model_card("rm", cfg, metrics, f"Reward model: the sft model (with a one-logit head unless `logprob`), trained with a pairwise "
+    card = results.model_card("rm", cfg, metrics, f"Reward model: the sft model (with a one-logit head unless `logprob`), trained with a pairwise "
                              f"Bradley-Terry loss. Reward = {where} (`reward_stats.json` has the pooling and the normalisation).")
     model_dir = save_final_model(group, out_dir, tokenizer, card)
     # what the rl stage uses to normalise rewards from this model
     stats = {"mean": metrics["eval/reward_mean"], "std": metrics["eval/reward_std"], "pooling": cfg.pooling}
     atomic.write_json(model_dir / "reward_stats.json", stats)
-    common.finish(out_dir, "rm", cfg, metrics)
+    results.finish(out_dir, "rm", cfg, metrics)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.stage_main(Config, "rm", run, argv)
+    entrypoint.stage_main(Config, "rm", run, argv)
 
 
 if __name__ == "__main__":

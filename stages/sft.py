@@ -12,10 +12,11 @@ from pathlib import Path
 
 from rlhf_core.data.images import with_images
 from rlhf_core.data.tokenize import prompt_response, tokenize_rows
-from rlhf_core.training import common
+from rlhf_core.training import batching, entrypoint, inputs, results
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.lm import count_tokens, loss_fn, make_evaluate
-from rlhf_core.training.loop import StageSpec, save_final_model, train
+from rlhf_core.training.loop import StageSpec, train
+from rlhf_core.training.worker_group import save_final_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,17 +41,17 @@ class Config(TrainConfig):
 
 def build_spec(cfg: Config, out_dir: Path) -> tuple[StageSpec, object]:
     """(spec, what saves the tokenizer beside the model: the tokenizer, or a VLM's processor)."""
-    tokenizer, vision = common.load_tokenizer(cfg), common.load_vision(cfg)
-    format_prompt = common.prompt_formatter(tokenizer, cfg.use_chat_template, vision)
-    rows = common.load_data(cfg.train_data, "sft", cfg, out_dir / "rejects" / "train.jsonl")
-    encode = lambda r: with_images(prompt_response(tokenizer, format_prompt(r), common.response_text(r), cfg.max_len), r)  # noqa: E731
+    tokenizer, vision = inputs.load_tokenizer(cfg), inputs.load_vision(cfg)
+    format_prompt = inputs.prompt_formatter(tokenizer, cfg.use_chat_template, vision)
+    rows = inputs.load_data(cfg.train_data, "sft", cfg, out_dir / "rejects" / "train.jsonl")
+    encode = lambda r: with_images(prompt_response(tokenizer, format_prompt(r), inputs.response_text(r), cfg.max_len), r)  # noqa: E731
     examples, too_long = tokenize_rows(rows, encode, cfg.max_len)
-    common.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
-    collate = common.Collate(tokenizer.pad_token_id, vision=vision)
+    inputs.check_too_long(too_long, len(rows), cfg, out_dir / "rejects" / "train_too_long.jsonl")
+    collate = batching.Collate(tokenizer.pad_token_id, vision=vision)
     evaluate = make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir, vision)
     spec = StageSpec(name="sft", model_path=cfg.model_path, model_kind="causal_lm", examples=examples, collate=collate,
                      loss_fn=loss_fn, counts=count_tokens, evaluate=evaluate,
-                     data_fingerprint=common.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id, lineage=common.image_records(rows))
+                     data_fingerprint=inputs.data_fingerprint(cfg), pad_token_id=tokenizer.pad_token_id, lineage=inputs.image_records(rows))
     return spec, (vision.processor if vision else tokenizer)  # a VLM's model/ gets its processor (the tokenizer with it)
 
 
@@ -58,13 +59,13 @@ def run(cfg: Config) -> dict:
     out_dir = Path(cfg.output_dir)
     spec, tokenizer = build_spec(cfg, out_dir)
     group, metrics = train(spec, cfg, out_dir)
-    save_final_model(group, out_dir, tokenizer, common.model_card("sft", cfg, metrics, "Supervised fine-tuning (prompt-masked NLL)."))
-    common.finish(out_dir, "sft", cfg, metrics, records=spec.lineage)
+    save_final_model(group, out_dir, tokenizer, results.model_card("sft", cfg, metrics, "Supervised fine-tuning (prompt-masked NLL)."))
+    results.finish(out_dir, "sft", cfg, metrics, records=spec.lineage)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.stage_main(Config, "sft", run, argv)
+    entrypoint.stage_main(Config, "sft", run, argv)
 
 
 if __name__ == "__main__":

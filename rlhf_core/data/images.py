@@ -176,5 +176,5 @@ class VisionInputs:
 
 def with_images(example: dict, row: dict) -> dict:
     """`example` carrying its row's image references and hashes (the collate turns the references
-    into pixel values; `common.image_records` reads the hashes for the manifest)."""
+    into pixel values; `training/inputs.py::image_records` reads the hashes for the manifest)."""
     return {**example, "images": row["images"], "image_sha256": row["image_sha256"]} if row.get("images") else example

@@ -10,9 +10,9 @@ from rlhf_core.evaluation import exact_match_accuracy
 from rlhf_core.rl.config import Config
 from rlhf_core.rl.roles import Roles
 from rlhf_core.rollout.producer import image_refs
-from rlhf_core.training import common
+from rlhf_core.training import inputs, results
 from rlhf_core.training.chassis import RunState, StepLog
-from rlhf_core.training.loop import save_final_model
+from rlhf_core.training.worker_group import save_final_model
 
 log = logging.getLogger("rlhf.rl")
 
@@ -58,8 +58,8 @@ class Evaluation:
 
     def __init__(self, roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], out_dir: Path, vision=None):
         self.roles, self.cfg, self.tokenizer, self.rows, self.out_dir = roles, cfg, tokenizer, eval_rows, out_dir
-        self.prompts = [common.prompt_formatter(tokenizer, False, vision)(r) for r in eval_rows]
-        self.pixels = common.eval_pixels(vision, eval_rows)
+        self.prompts = [inputs.prompt_formatter(tokenizer, False, vision)(r) for r in eval_rows]
+        self.pixels = results.eval_pixels(vision, eval_rows)
         self.saver = vision.processor if vision else tokenizer  # what saves the tokenizer (a VLM's: with its processor)
 
     def __call__(self, state: RunState, steplog: StepLog | None = None) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 from rlhf_core.algos.advantages import ALGO_RECIPES
 from rlhf_core.rl.config import Config
 from rlhf_core.rollout.producer import RolloutProducer
-from rlhf_core.training.loop import WorkerGroup
+from rlhf_core.training.worker_group import WorkerGroup
 
 log = logging.getLogger("rlhf.rl")
 

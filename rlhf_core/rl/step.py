@@ -18,9 +18,9 @@ from rlhf_core.rl.sampling import sample_batch
 from rlhf_core.rollout import parquet as rollout_io
 from rlhf_core.rollout.batch import RolloutBatch
 from rlhf_core.rollout.producer import RolloutProducer
-from rlhf_core.training import common
+from rlhf_core.training import batching
 from rlhf_core.training.chassis import NanGuard, RunState, reduce_ranks
-from rlhf_core.training.loop import WorkerGroup
+from rlhf_core.training.worker_group import WorkerGroup
 
 log = logging.getLogger("rlhf.rl")
 
@@ -28,7 +28,7 @@ log = logging.getLogger("rlhf.rl")
 def forward_stats(roles: Roles, cfg: Config, kept: RolloutBatch, collate) -> RolloutBatch:
     """The kept samples with reference log-probs, old log-probs (policy; only if `recompute_old`)
     and values (critic)."""
-    batches = common.batches(collate, kept, cfg.eval_batch_size)
+    batches = batching.batches(collate, kept, cfg.eval_batch_size)
     logprobs = partial(logprobs_fn, temperature=cfg.temperature)  # the distribution the engine sampled from
     if roles.reference is None:  # LoRA: the policy's base, adapters off
         ref = roles.policy.call_rank0("evaluate_base", batches, logprobs)

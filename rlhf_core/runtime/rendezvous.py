@@ -6,7 +6,7 @@ binds the socket itself -- to the address the other ranks are told (127.0.0.1 on
 node's own address on a cluster) -- and hands it to the store (`master_listen_fd`).  Gloo's
 connections between ranks listen on the interface its host name resolves to; on one node (a
 loopback rendezvous) they are kept on `lo` too (GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME for
-NCCL's bootstrap).  Used by the trainers' process group (training/engine.py) and the weight-sync
+NCCL's bootstrap).  Used by the trainers' process group (training/deepspeed_engine.py) and the weight-sync
 group (runtime/weight_sync.py).
 """
 from __future__ import annotations

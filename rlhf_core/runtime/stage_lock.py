@@ -1,7 +1,7 @@
 """One writer per stage output directory.
 
 `OUTPUT_DIR/.lock` is held with `flock` by the process that reads and writes the checkpoints:
-the stage's job driver (`common.stage_main` takes it before anything else, `chassis.resume_point`
+the stage's job driver (`training/entrypoint.py::stage_main` takes it before anything else, `chassis.resume_point`
 makes sure of it).  The kernel drops a flock when its holder dies, however it dies, so a job
 that is still running (say, its command was killed and it was detached) still holds the lock --
 correct, it is still writing -- and a stopped or killed job frees it at once.

@@ -7,7 +7,7 @@ from pathlib import Path
 from rlhf_core.algos.losses import sft_loss, token_logprobs
 from rlhf_core.data.images import with_images
 from rlhf_core.data.tokenize import forward_inputs, prompt_response, tokenize_rows
-from rlhf_core.training import common
+from rlhf_core.training import batching, inputs, results
 
 # --- maths: run inside the workers (pickled by reference) -----------------------------------
 
@@ -37,16 +37,16 @@ def count_tokens(batch: list[dict]) -> dict:
 def make_evaluate(cfg, tokenizer, format_prompt, collate, out_dir: Path, vision=None):
     """`eval/accuracy` (greedy, exact match) and `eval/loss` (NLL of `label_prefix + label`) on
     `cfg.eval_data` (prompt, label rows; with `vision`, image rows too)."""
-    eval_rows = common.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
+    eval_rows = inputs.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     eval_prompts = [format_prompt(r) for r in eval_rows]
     encode = lambda r: with_images(prompt_response(tokenizer, format_prompt(r), cfg.label_prefix + r["label"], cfg.max_len), r)  # noqa: E731
     eval_examples, eval_too_long = tokenize_rows(eval_rows, encode, cfg.max_len)
-    common.check_too_long(eval_too_long, len(eval_rows), cfg, out_dir / "rejects" / "eval_too_long.jsonl")
-    pixels = common.eval_pixels(vision, eval_rows)
+    inputs.check_too_long(eval_too_long, len(eval_rows), cfg, out_dir / "rejects" / "eval_too_long.jsonl")
+    pixels = results.eval_pixels(vision, eval_rows)
 
     def evaluate(group) -> dict:
-        metrics = common.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg, pixels)
-        nll = group.call_rank0("evaluate", common.batches(collate, eval_examples, cfg.eval_batch_size), nll_fn)
+        metrics = results.eval_accuracy(group, tokenizer, eval_prompts, [r["label"] for r in eval_rows], cfg, pixels)
+        nll = group.call_rank0("evaluate", batching.batches(collate, eval_examples, cfg.eval_batch_size), nll_fn)
         metrics["eval/loss"] = sum(s for s, _ in nll) / max(1.0, sum(n for _, n in nll))
         return metrics
     return evaluate

@@ -22,7 +22,7 @@ from rlhf_core.runtime.actor import PeakMemory
 from rlhf_core.runtime.weight_sync import Layout, WeightGroup, flatten
 from rlhf_core.training.checkpoint import CheckpointLoadError, explain
 from rlhf_core.training.config import TrainConfig
-from rlhf_core.training.engine import build_engine, init_distributed
+from rlhf_core.training.deepspeed_engine import build_engine, init_distributed
 
 
 class TrainWorker(PeakMemory):

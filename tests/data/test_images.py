@@ -153,8 +153,8 @@ def test_hub_dataset_image_paths_need_image_root(tmp_path, monkeypatch):
 
 def test_load_data_passes_image_root(tmp_path):
     """A stage's `image_root` reaches the image rules: a picture outside the data dir but under the root loads."""
-    from rlhf_core.training.common import load_data
     from rlhf_core.training.config import TrainConfig
+    from rlhf_core.training.inputs import load_data
 
     (tmp_path / "pictures").mkdir()
     (tmp_path / "pictures" / "a.png").write_bytes(png())

@@ -85,8 +85,8 @@ def test_missing_file_and_unknown_format(tmp_path):
 def test_key_mapping_reads_openrlhf_style_columns(tmp_path):
     """input_key / label_key / chosen_key / rejected_key name the file's columns (OpenRLHF's flags);
     a row with neither that column nor ours is rejected with a reason naming it."""
-    from rlhf_core.training.common import load_data
     from rlhf_core.training.config import TrainConfig
+    from rlhf_core.training.inputs import load_data
 
     f = tmp_path / "math.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in [{"question": "1+1=", "answer": 2}, {"question": "2+2=", "answer": "4"},

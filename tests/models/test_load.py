@@ -100,7 +100,7 @@ def test_a_hub_input_is_recorded_by_name_in_the_manifest_and_lineage(tmp_path, m
     """A stage started from `hf://ORG/NAME@REV` names it in its manifest (nothing local to hash):
     `lineage show` lists it, flags an unpinned one, and `lineage verify` does not call it missing."""
     from rlhf_core.artifacts.lineage import render, verify_chain
-    from rlhf_core.training import common
+    from rlhf_core.training import results
     from rlhf_core.training.config import TrainConfig
 
     monkeypatch.chdir(tmp_path)
@@ -108,7 +108,7 @@ def test_a_hub_input_is_recorded_by_name_in_the_manifest_and_lineage(tmp_path, m
     for name, ref in (("pinned", "hf://org/name@v1"), ("floating", "hf://org/name")):
         out = tmp_path / name
         out.mkdir()
-        common.finish(out, "sft", TrainConfig(model_path=ref, train_data="train.jsonl", eval_data=""), {"eval/accuracy": 0.5})
+        results.finish(out, "sft", TrainConfig(model_path=ref, train_data="train.jsonl", eval_data=""), {"eval/accuracy": 0.5})
         inputs = json.loads((out / "manifest.json").read_text())["inputs"]
         assert {"path": ref, "kind": "hub"} in inputs and any(i["kind"] == "data" for i in inputs)
         assert verify_chain(out) == []

@@ -95,7 +95,7 @@ def test_packed_critic_values_and_loss_equal_unpacked():
 
 
 def test_packed_dpo_pairs_equal_unpacked_logps_and_gradients():
-    from rlhf_core.training.common import CollatePairs
+    from rlhf_core.training.batching import CollatePairs
     from stages import dpo
 
     seq = lambda prompt, resp: {"input_ids": prompt + resp, "loss_mask": [0] * len(prompt) + [1] * len(resp)}  # noqa: E731
@@ -122,7 +122,7 @@ def test_packed_rm_logprob_rewards_equal_unpacked(tmp_path):
     import json
 
     from rlhf_core.rollout.rewards import ModelReward
-    from rlhf_core.training.common import CollatePairs
+    from rlhf_core.training.batching import CollatePairs
     from stages import rm
 
     seq = lambda prompt, resp: {"input_ids": prompt + resp, "loss_mask": [0] * len(prompt) + [1] * len(resp)}  # noqa: E731

@@ -66,7 +66,7 @@ def test_credentials_in_urls_are_redacted_in_every_file_and_restored_in_the_job(
 def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeypatch):
     """The job's side: stage_main reads the redacted file plus the environment; finish() writes a
     manifest without the secret."""
-    from rlhf_core.training import common
+    from rlhf_core.training import entrypoint, results
     from rlhf_core.training.config import TrainConfig
 
     url = f"http://user:{SECRET}@127.0.0.1:9/score"
@@ -78,7 +78,7 @@ def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeyp
     monkeypatch.setenv(E.SECRETS_FILE, str(path))
     monkeypatch.delenv("RLHF_CONFIG_SHA256", raising=False)
     monkeypatch.delenv("RLHF_TEST_TOKEN", raising=False)
-    common.stage_main(Config, "rl", lambda cfg: seen.update(url=cfg.reward_url, token=os.environ.get("RLHF_TEST_TOKEN")),
+    entrypoint.stage_main(Config, "rl", lambda cfg: seen.update(url=cfg.reward_url, token=os.environ.get("RLHF_TEST_TOKEN")),
                       ["--config", str(resolved)], needs_ray=False)
     assert seen == {"url": url, "token": SECRET} and SECRET not in resolved.read_text()
     assert not path.exists()  # the job removes its secrets file when it ends
@@ -86,7 +86,7 @@ def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeyp
     out = tmp_path / "artifact"
     out.mkdir()
     cfg = TrainConfig(model_path=url)  # any setting: every string is checked
-    common.finish(out, "x", cfg, {"m": 1.0})
+    results.finish(out, "x", cfg, {"m": 1.0})
     assert SECRET not in (out / "manifest.json").read_text() and "***@127.0.0.1:9" in (out / "manifest.json").read_text()
 
 

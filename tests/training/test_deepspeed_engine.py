@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rlhf_core.training.engine import param_groups
+from rlhf_core.training.deepspeed_engine import param_groups
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +31,7 @@ def test_weight_decay_skips_norm_gains_and_biases():
 
 
 def test_micro_batches_same_count_on_every_rank_and_none_empty():
-    from rlhf_core.training.loop import micro_batches
+    from rlhf_core.training.worker_group import micro_batches
 
     sizes = lambda shard, size, total, ranks: [len(m) for m in micro_batches(shard, size, total, ranks)]  # noqa: E731
     assert sizes(list(range(8)), 4, 16, 2) == [4, 4]
@@ -46,7 +46,7 @@ def test_micro_batches_same_count_on_every_rank_and_none_empty():
 
 def test_ds_config_accumulation_and_offload():
     from rlhf_core.training.config import TrainConfig
-    from rlhf_core.training.engine import ds_config
+    from rlhf_core.training.deepspeed_engine import ds_config
 
     plain = ds_config(TrainConfig(global_batch_size=16, num_workers=2))
     assert plain["train_micro_batch_size_per_gpu"] == 8 and plain["gradient_accumulation_steps"] == 1
