@@ -9,7 +9,7 @@ number of steps (equal samples), as:
   sync colocated   the default: every role takes turns on the trainer's 2 threads
   sync separate    trainer 1 thread, rollout engine 1 thread of its own: the phases still alternate
   async k=1, k=2   separate layout, the engine generates the next k steps' rounds while the trainer
-                   updates (rl.mode=async, rl.max_staleness=k; the default correction, tis)
+                   updates (rl.rollout.mode=async, rl.rollout.max_staleness=k; the default correction, tis)
 
 Per run: median step wall time, samples/s, trainer idle fraction (time the step waited for its
 round / step time), rollout idle fraction (1 - engine busy time / wall time), gold eval accuracy

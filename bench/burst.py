@@ -33,7 +33,7 @@ def main() -> None:
     with LocalRayHead() as head:
         for name, prompts in (("default", base), (f"burst_x{args.factor}", base * args.factor)):
             out = f"bench/results/burst_{name}"
-            sets = [f"rl.max_steps={args.steps}", f"rl.prompts_per_step={prompts}", f"rl.engine={args.engine}", f"rl.output_dir={out}",
+            sets = [f"rl.max_steps={args.steps}", f"rl.rollout.prompts_per_step={prompts}", f"rl.rollout.engine={args.engine}", f"rl.output_dir={out}",
                     "rl.resume=false", "rl.eval_steps=0", "rl.pass_k=1"]
             cmd = [sys.executable, "-m", "rlhf_core.cli", "stage", "run", "rl", *[x for s in sets for x in ("--set", s)]]
             t0 = time.time()

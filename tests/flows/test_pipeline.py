@@ -179,7 +179,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
     assert f"[{source}]" in lineage and "[sft]" in lineage and "lineage unavailable" not in lineage, lineage[:2000]
 
     # a failing stage fails the run and the command
-    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", "--set", "rl.reward_file=missing_reward.py", "--retries", "0",
+    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", "--set", "rl.reward.file=missing_reward.py", "--retries", "0",
                cwd=root, env=flow)
     assert bad.returncode == 1 and "stage rl@rlvr failed" in bad.stderr
 

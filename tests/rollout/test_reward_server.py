@@ -74,7 +74,7 @@ def test_serve_writes_the_token_file_and_prints_its_path_never_the_token(tmp_pat
     token = (tmp_path / ".rlhf" / "reward-server.token").read_text().strip()
     out = capsys.readouterr().out
     assert seen["token"] == token and len(token) >= 40  # token_urlsafe(32)
-    assert f"rl.reward_token_file={tmp_path / '.rlhf' / 'reward-server.token'}" in out
+    assert f"rl.reward.token_file={tmp_path / '.rlhf' / 'reward-server.token'}" in out
     assert token not in out + caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):

@@ -45,7 +45,7 @@ def test_grpo_advantages_broadcast_group_normalised_score():
     assert out.per_token("advantages", 4) == [0.0]  # a group of one has no baseline
     verl_style, _ = compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
                                                whiten_gae=False, reward_clip=None, singleton_group="score")
-    assert verl_style.per_token("advantages", 4) == [0.5]  # rl.singleton_group=score: its raw score, as verl
+    assert verl_style.per_token("advantages", 4) == [0.5]  # rl.objective.singleton_group=score: its raw score, as verl
     assert samples.advantages is None  # a new batch: the input is not mutated
     assert stats["kl"] == 0.0
 

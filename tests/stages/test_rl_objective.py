@@ -91,11 +91,11 @@ def test_clip_higher_tis_and_temperature_reach_the_policy_loss():
 
 
 def test_async_and_hybrid_engine_settings_are_checked_at_config_time():
-    with pytest.raises(ConfigError, match="set rl.layout=separate"):
+    with pytest.raises(ConfigError, match="set rl.rollout.layout=separate"):
         from_dict(Config, {"mode": "async"})
     with pytest.raises(ConfigError, match="max_staleness must be >= 1"):
         from_dict(Config, {"mode": "async", "layout": "separate", "max_staleness": 0})
-    with pytest.raises(ConfigError, match="partial_rollout_tokens .* needs rl.mode=async"):
+    with pytest.raises(ConfigError, match="partial_rollout_tokens .* needs rl.rollout.mode=async"):
         from_dict(Config, {"partial_rollout_tokens": 2})
     with pytest.raises(ConfigError, match="rl.offload_trainer frees the trainers' GPU memory"):
         from_dict(Config, {"offload_trainer": True, "zero_stage": 1})  # no GPU
@@ -128,7 +128,7 @@ def test_engine_sleep_and_temperature_are_checked_at_config_time(tmp_path):
     assert from_dict(Config, {"engine": "vllm", "engine_sleep": True, "layout": "separate", "rollout_gpus": 1.0}).engine_sleep
     with pytest.raises(ConfigError, match="temperature must be > 0"):
         from_dict(Config, {"temperature": 0.0})
-    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.engine_sleep=true", cwd=tmp_path, timeout=120)
+    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.rollout.engine_sleep=true", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "engine_sleep" in proc.stderr and not (tmp_path / "artifacts").exists()
 
 
@@ -195,7 +195,7 @@ def test_the_kl_loss_term_reaches_the_policy_loss():
 
 
 def test_kl_estimator_and_clamp_reach_the_loss_and_the_advantages():
-    """`rl.kl_estimator=abs` and `rl.kl_clamp` from the stage config: the loss term is coef * |r|
+    """`rl.objective.kl_estimator=abs` and `rl.objective.kl_clamp` from the stage config: the loss term is coef * |r|
     bounded at the clamp, and the reward-side KL column is clamped the same way."""
     from dataclasses import replace
     from typing import get_args, get_type_hints
