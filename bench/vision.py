@@ -67,7 +67,8 @@ def main() -> None:
                  "--set", f"sft.seed={args.seed}")
     t_rl = rlhf(cwd, "stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft/model", "--set", "rl.rollout.engine=hf",
                 "--set", "rl.algo=grpo", "--set", f"rl.lr={args.rl_lr}", "--set", f"rl.max_steps={args.rl_steps}", "--set",
-                f"rl.save_steps={args.rl_steps}", "--set", "rl.rollout.prompts_per_step=32", "--set", "rl.rollout.n_samples=8", "--set", "rl.global_batch_size=256",
+                f"rl.save_steps={args.rl_steps}", "--set", "rl.rollout.prompts_per_step=32", "--set", "rl.rollout.n_samples=8",
+                "--set", "rl.global_batch_size=256",
                 "--set", "rl.eval_steps=20", "--set", f"rl.seed={args.seed}")
     sft = json.loads((cwd / "artifacts" / "sft" / "metrics.json").read_text())
     rl = json.loads((cwd / "artifacts" / "rl" / "metrics.json").read_text())

@@ -236,7 +236,8 @@ def test_the_job_stops_when_the_reader_of_the_command_output_dies(project, ray_h
 # rl on the vLLM engine, submitted to a cluster (RAY_ADDRESS): the command's guard stops the job
 DIGITS_REWARD = "def reward(prompts, responses, labels, **kw):\n    return [sum(c.isdigit() for c in r) / max(1, len(r)) for r in responses]\n"
 RL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_steps=0", "--set", "rl.rollout.prompts_per_step=4",
-      "--set", "rl.rollout.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.rollout.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
+      "--set", "rl.rollout.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.rollout.max_new_tokens=4",
+      "--set", "rl.eval_max_new_tokens=4",
       "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=8", "--set", "rl.lr=1e-3", "--set", "rl.rollout.engine=vllm"]
 
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 # (the share of digit characters): it varies within every group, so every step really updates
 DIGITS_REWARD = "def reward(prompts, responses, labels, **kw):\n    return [sum(c.isdigit() for c in r) / max(1, len(r)) for r in responses]\n"
 SMALL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_steps=0", "--set", "rl.rollout.prompts_per_step=4",
-         "--set", "rl.rollout.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.rollout.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
+         "--set", "rl.rollout.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.rollout.max_new_tokens=4",
+         "--set", "rl.eval_max_new_tokens=4",
          "--set", "rl.pass_k=2", "--set", "rl.sync_check_prompts=16", "--set", "rl.lr=1e-3"]
 
 
@@ -39,7 +40,8 @@ def grpo_reference(project, ray_head, sft_reference):
     rf = reward_file(project, "digits_reward.py", DIGITS_REWARD)
     # exercises the adaptive KL controller (its state must survive a resume), TIS and clip-higher,
     # at a sampling temperature != 1 (engine and trainer log-probs must both be tempered)
-    args = [*SMALL, "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.objective.adaptive_kl=true", "--set", "rl.objective.kl_target=0.01",
+    args = [*SMALL, "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.objective.adaptive_kl=true",
+            "--set", "rl.objective.kl_target=0.01",
             "--set", "rl.objective.is_correction=tis", "--set", "rl.objective.clip_high=0.28", "--set", "rl.rollout.temperature=0.8"]
     proc = run_stage(project, ray_head, "rl", *args, "--set", "rl.output_dir=artifacts/rl_ref")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -117,7 +119,8 @@ def test_ppo_multi_turn_agent_on_vllm(project, ray_head, sft_reference):
     """PPO (critic + GAE) with the multi-turn retry environment on the vLLM engine."""
     out = project / "artifacts" / "rl_ppo"
     proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.max_steps=3", "--set", "rl.algo=ppo", "--set", "rl.rollout.agent=retry_arithmetic",
-                     "--set", f"rl.output_dir={out}", "--set", "rl.max_len=48", "--set", "rl.rollout.max_new_tokens=6", "--set", "rl.rollout.temperature=0.7")
+                     "--set", f"rl.output_dir={out}", "--set", "rl.max_len=48", "--set", "rl.rollout.max_new_tokens=6",
+                     "--set", "rl.rollout.temperature=0.7")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval/sync_greedy_match"] == 1.0  # vLLM after in-place syncs == the trainer
@@ -189,8 +192,10 @@ def test_burst_of_10x_the_default_batch_keeps_memory_bounded(project, ray_head, 
     scale with it (rl has no gradient accumulation), not with the step's sample count."""
     rf = reward_file(project, "digits_reward.py", DIGITS_REWARD)
     out = project / "artifacts" / "rl_burst"
-    proc = run_stage(project, ray_head, "rl", "--set", "rl.max_steps=1", "--set", "rl.rollout.prompts_per_step=160", "--set", "rl.rollout.n_samples=8",
-                     "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.rollout.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
+    proc = run_stage(project, ray_head, "rl", "--set", "rl.max_steps=1", "--set", "rl.rollout.prompts_per_step=160",
+                     "--set", "rl.rollout.n_samples=8",
+                     "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.rollout.max_new_tokens=4",
+                     "--set", "rl.eval_max_new_tokens=4",
                      "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0", "--set", "rl.global_batch_size=8",
                      "--set", f"rl.output_dir={out}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

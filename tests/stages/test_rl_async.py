@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("rl_more")]
 @pytest.fixture(scope="module")
 def async_args(project, sft_reference):
     rf = reward_file(project, "digits_reward_async.py", DIGITS_REWARD)
-    return [*SMALL, "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.rollout.mode=async", "--set", "rl.rollout.max_staleness=1",
+    return [*SMALL, "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.rollout.mode=async",
+            "--set", "rl.rollout.max_staleness=1",
             "--set", "rl.rollout.layout=separate", "--set", "rl.rollout.cpus=0.5", "--set", "rl.objective.is_correction=tis", "--set", "rl.pass_k=1"]
 
 
