@@ -28,12 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import RLHF, ROOT, ensure_project, history, sh  # noqa: E402  (the same project set-up and runner)
 
-SEPARATE = {"layout": "separate", "cpus_per_worker": 1, "rollout_cpus": 0.5}
+SEPARATE = {"rollout.layout": "separate", "cpus_per_worker": 1, "rollout.cpus": 0.5}
 RUNS = {
     "sync colocated": {},
     "sync separate": {**SEPARATE},
-    "async k=1": {**SEPARATE, "mode": "async", "max_staleness": 1},
-    "async k=2": {**SEPARATE, "mode": "async", "max_staleness": 2},
+    "async k=1": {**SEPARATE, "rollout.mode": "async", "rollout.max_staleness": 1},
+    "async k=2": {**SEPARATE, "rollout.mode": "async", "rollout.max_staleness": 2},
 }
 
 

@@ -154,3 +154,18 @@ def test_the_rl_configs_old_flat_keys_load_into_their_sections(tmp_path, caplog)
         "rl.global_batch_size=256"])
     with pytest.raises(ConfigError, match=r"rl.kl_coef and rl.objective.kl_coef are both given"):
         load_config(Config, "rl", tmp_path / "none.yaml", ["rl.kl_coef=0.1", "rl.objective.kl_coef=0.2"])
+
+
+def test_the_readmes_renamed_rl_settings_table_is_config_renamed():
+    """README's "Renamed rl settings" table is `Config.RENAMED`, rendered (regenerate it from here)."""
+    from pathlib import Path
+
+    from stages.rl import Config
+
+    rows: dict[str, list[str]] = {}
+    for old, new in Config.RENAMED.items():
+        section, name = new.split(".")
+        rows.setdefault(section, []).append(f"`{old}`" if old == name else f"`{old}` → `{name}`")
+    table = "| section | its settings' old flat keys (`rl.KEY`; renamed ones: old → new name in the section) |\n|---|---|\n" + \
+        "".join(f"| `rl.{section}.` | {', '.join(items)} |\n" for section, items in rows.items())
+    assert table in (Path(__file__).resolve().parents[1] / "README.md").read_text()

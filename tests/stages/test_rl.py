@@ -172,7 +172,7 @@ def test_hung_reward_call_times_out_instead_of_hanging(project, ray_head, sft_re
                      "--set", "rl.sync_check_prompts=0", "--set", "rl.rollout.timeout=30", "--set", f"rl.output_dir={out}",
                      env={"RLHF_FAULT": "hang:reward"})
     assert proc.returncode != 0
-    assert "reward took longer than rollout_timeout=30.0s" in proc.stdout, proc.stdout[-4000:]
+    assert "reward took longer than rl.rollout.timeout=30.0s" in proc.stdout, proc.stdout[-4000:]
     assert not (out / "model").exists() and not (out / "checkpoints" / "latest").exists()
 
 
