@@ -252,7 +252,7 @@ def test_gspo_with_dynamic_sampling_fills_every_batch_from_an_authenticated_rewa
     assert any(r["filter"] == "zero_variance_group" for step in (1, 2) for r in table(out, step))
     leaked = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaked == [] and SECRET not in proc.stdout + proc.stderr
-    assert json.loads((out / "config.resolved.json").read_text())["config"]["reward_url"].startswith("http://***@127.0.0.1:")
+    assert json.loads((out / "config.resolved.json").read_text())["config"]["reward"]["url"].startswith("http://***@127.0.0.1:")
 
 
 @pytest.mark.xdist_group("rl_more")
