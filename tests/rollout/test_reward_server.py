@@ -41,7 +41,7 @@ def test_token_file_is_made_0600_in_a_0700_dir_atomically_and_reused(tmp_path):
 
 def test_a_loose_or_missing_token_file_is_said_clearly_without_the_token(tmp_path, caplog):
     path = tmp_path / "tok"
-    with pytest.raises(FileNotFoundError, match=f"reward_token_file {path} does not exist"):
+    with pytest.raises(FileNotFoundError, match=f"rl.reward.token_file {path} does not exist"):
         R.HttpReward("http://127.0.0.1:9/score", token_file=str(path))
     path.write_text("")
     with pytest.raises(ValueError, match="is empty"):
