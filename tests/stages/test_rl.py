@@ -179,7 +179,13 @@ def test_hung_reward_call_times_out_instead_of_hanging(project, ray_head, sft_re
 @pytest.mark.xdist_group("rl_more")
 def test_rl_config_errors(project):
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.rollout.n_samples=1", cwd=project)
-    assert proc.returncode == 2 and "needs n_samples >= 2" in proc.stderr
+    assert proc.returncode == 2 and "needs rl.rollout.n_samples >= 2" in proc.stderr
+    # the old flat key still reaches its section (with a warning naming the new one)
+    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.n_samples=1", cwd=project)
+    assert proc.returncode == 2 and "needs rl.rollout.n_samples >= 2" in proc.stderr
+    assert "rl.n_samples is now rl.rollout.n_samples" in proc.stdout + proc.stderr
+    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.n_samples=4", "--set", "rl.rollout.n_samples=4", cwd=project)
+    assert proc.returncode == 2 and "rl.n_samples and rl.rollout.n_samples are both given" in proc.stderr
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.algo=ppo2", cwd=project)
     assert proc.returncode == 2 and "reinforce_pp_baseline" in proc.stderr
 
@@ -257,7 +263,7 @@ def test_gspo_with_dynamic_sampling_fills_every_batch_from_an_authenticated_rewa
 
 @pytest.mark.xdist_group("rl_more")
 @pytest.mark.parametrize("fault, message", [
-    ("hang:train_step", "policy train step 1 took longer than rollout_timeout=30s"),
+    ("hang:train_step", "policy train step 1 took longer than rl.rollout.timeout=30s"),
     ("kill_worker_at_step:1", "a training worker died during step 1: the stage stops"),
 ])
 def test_a_hung_or_killed_policy_worker_fails_the_step_with_a_clear_error(project, ray_head, sft_reference, fault, message):
