@@ -152,7 +152,7 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
 
 
 def parse_overrides(overrides: typing.Iterable[str], section: str) -> dict:
-    """`["rl.algo=ppo", "rl.kl.coef=0.1"]` -> `{"algo": "ppo", "kl": {"coef": 0.1}}`.
+    """`["rl.algo=ppo", "rl.objective.kl_coef=0.1"]` -> `{"algo": "ppo", "objective": {"kl_coef": 0.1}}`.
 
     Values are parsed as YAML scalars (`20` -> int, `0.1` -> float, `true` -> bool,
     `[1, 2]` -> list).  The leading `SECTION.` is optional.
