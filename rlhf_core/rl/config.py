@@ -88,20 +88,18 @@ class ObjectiveConfig:
 
 
 def _renamed() -> dict[str, str]:
-    """Old flat key -> section key of every setting that moved into a section; the reward settings
-    lost their `reward_` prefix (`reward_file` -> `reward.file`), the rollout ones their `rollout_`."""
-    special = {"rollout_workers": "workers", "rollout_cpus": "cpus", "rollout_gpus": "gpus", "rollout_tensor_parallel": "tensor_parallel",
-               "rollout_resource": "resource", "rollout_timeout": "timeout", "reward_file": "file", "reward_model": "model",
-               "reward_url": "url", "reward_token_file": "token_file", "reward_url_protocol": "url_protocol",
-               "reward_file_weight": "file_weight", "reward_model_weight": "model_weight", "reward_url_weight": "url_weight",
-               "env_reward_weight": "env_weight", "reward_url_timeout": "url_timeout", "reward_url_retries": "url_retries"}
-    new_to_old = {v: k for k, v in special.items()}
-    out = {}
-    for section, cls in (("rollout", RolloutConfig), ("reward", RewardConfig), ("objective", ObjectiveConfig)):
-        for f in fields(cls):
-            old = new_to_old.get(f.name, f.name) if section != "objective" else f.name
-            out[old] = f"{section}.{f.name}"
-    return out
+    """Old flat key -> section key of every setting that moved into a section: the same name, but
+    for the rollout settings that lost their `rollout_` prefix (`rollout_workers` -> `rollout.workers`)
+    and the reward ones that lost `reward_` (`reward_file` -> `reward.file`)."""
+    old_names = {"rollout.workers": "rollout_workers", "rollout.cpus": "rollout_cpus", "rollout.gpus": "rollout_gpus",
+                 "rollout.tensor_parallel": "rollout_tensor_parallel", "rollout.resource": "rollout_resource", "rollout.timeout": "rollout_timeout",
+                 "reward.file": "reward_file", "reward.model": "reward_model", "reward.url": "reward_url", "reward.token_file": "reward_token_file",
+                 "reward.url_protocol": "reward_url_protocol", "reward.file_weight": "reward_file_weight",
+                 "reward.model_weight": "reward_model_weight", "reward.url_weight": "reward_url_weight", "reward.env_weight": "env_reward_weight",
+                 "reward.url_timeout": "reward_url_timeout", "reward.url_retries": "reward_url_retries"}
+    sections = {"rollout": RolloutConfig, "reward": RewardConfig, "objective": ObjectiveConfig}
+    new_keys = [f"{section}.{f.name}" for section, cls in sections.items() for f in fields(cls)]
+    return {old_names.get(new, new.split(".")[1]): new for new in new_keys}
 
 
 @dataclass(frozen=True, kw_only=True)
