@@ -9,7 +9,7 @@ number of steps (equal samples), as:
   sync colocated   the default: every role takes turns on the trainer's 2 threads
   sync separate    trainer 1 thread, rollout engine 1 thread of its own: the phases still alternate
   async k=1, k=2   separate layout, the engine generates the next k steps' rounds while the trainer
-                   updates (rl.mode=async, rl.max_staleness=k; the default correction, tis)
+                   updates (rl.rollout.mode=async, rl.rollout.max_staleness=k; the default correction, tis)
 
 Per run: median step wall time, samples/s, trainer idle fraction (time the step waited for its
 round / step time), rollout idle fraction (1 - engine busy time / wall time), gold eval accuracy
@@ -28,12 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import RLHF, ROOT, ensure_project, history, sh  # noqa: E402  (the same project set-up and runner)
 
-SEPARATE = {"layout": "separate", "cpus_per_worker": 1, "rollout_cpus": 0.5}
+SEPARATE = {"rollout.layout": "separate", "cpus_per_worker": 1, "rollout.cpus": 0.5}
 RUNS = {
     "sync colocated": {},
     "sync separate": {**SEPARATE},
-    "async k=1": {**SEPARATE, "mode": "async", "max_staleness": 1},
-    "async k=2": {**SEPARATE, "mode": "async", "max_staleness": 2},
+    "async k=1": {**SEPARATE, "rollout.mode": "async", "rollout.max_staleness": 1},
+    "async k=2": {**SEPARATE, "rollout.mode": "async", "rollout.max_staleness": 2},
 }
 
 

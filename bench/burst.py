@@ -28,13 +28,13 @@ def main() -> None:
     from rlhf_core.runtime.cluster import LocalRayHead
     from stages.rl import Config
 
-    base = Config().prompts_per_step
+    base = Config().rollout.prompts_per_step
     results = {}
     with LocalRayHead() as head:
         for name, prompts in (("default", base), (f"burst_x{args.factor}", base * args.factor)):
             out = f"bench/results/burst_{name}"
-            sets = [f"rl.max_steps={args.steps}", f"rl.prompts_per_step={prompts}", f"rl.engine={args.engine}", f"rl.output_dir={out}",
-                    "rl.resume=false", "rl.eval_steps=0", "rl.pass_k=1"]
+            sets = [f"rl.max_steps={args.steps}", f"rl.rollout.prompts_per_step={prompts}", f"rl.rollout.engine={args.engine}",
+                    f"rl.output_dir={out}", "rl.resume=false", "rl.eval_steps=0", "rl.pass_k=1"]
             cmd = [sys.executable, "-m", "rlhf_core.cli", "stage", "run", "rl", *[x for s in sets for x in ("--set", s)]]
             t0 = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": head.job_address})
@@ -42,7 +42,7 @@ def main() -> None:
                 sys.exit(f"{name}: FAILED\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
             m = json.loads(Path(out, "metrics.json").read_text())
             hist = [json.loads(x) for x in Path(out, "train_history.jsonl").read_text().splitlines()]
-            samples = prompts * Config().n_samples
+            samples = prompts * Config().rollout.n_samples
             rollout_s = sum(h["rl/rollout_s"] for h in hist) / len(hist)
             results[name] = {"samples_per_step": samples, "rollout_s_per_step": round(rollout_s, 2), "samples_per_s": round(samples / rollout_s, 1),
                              "job_wall_s": round(time.time() - t0, 1), **{k: round(v) for k, v in m.items() if k.startswith("mem/")}}

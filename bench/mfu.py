@@ -84,10 +84,11 @@ def phase_mfu(name: str, extra: list[str], steps: int, peak: float, work: Path) 
     samples = statistics.median(r["rl/kept"] for r in rows)
     tokens = samples * (prompt_len + statistics.median(r["rl/response_length"] for r in rows))
     from rlhf_core.config import from_dict
+    from rlhf_core.rl.objective import recompute_old
     from stages import rl
 
     cfg = from_dict(rl.Config, json.loads((project / "artifacts/rl/config.resolved.json").read_text())["config"])
-    forwards = 1 + rl.recompute_old(cfg) + rl.ALGO_RECIPES[cfg.algo].needs_critic  # reference (+ old log-probs, + values)
+    forwards = 1 + recompute_old(cfg) + rl.ALGO_RECIPES[cfg.algo].needs_critic  # reference (+ old log-probs, + values)
     flops = {"rollout": 2 * n * tokens, "forward": forwards * 2 * n * tokens, "update": 6 * n * tokens}
     secs = {"rollout": "rl/rollout_s", "forward": "rl/forward_s", "update": "rl/update_s"}
     out = {"matmul_params": n, "tokens_per_step": tokens, "step_s": statistics.median(r["time/step_s"] for r in rows)}

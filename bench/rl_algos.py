@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--algos", default=",".join(ALGOS))
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--engine", default="vllm")
-    ap.add_argument("--extra", action="append", default=[], help="extra --set for every run, e.g. rl.agent=retry_arithmetic")
+    ap.add_argument("--extra", action="append", default=[], help="extra --set for every run, e.g. rl.rollout.agent=retry_arithmetic")
     args = ap.parse_args()
     from rlhf_core.runtime.cluster import LocalRayHead
 
@@ -33,7 +33,7 @@ def main() -> None:
     with LocalRayHead() as head:
         for algo in args.algos.split(","):
             out = f"bench/results/rl_{algo}"
-            sets = [f"rl.algo={algo}", f"rl.max_steps={args.steps}", f"rl.engine={args.engine}", f"rl.output_dir={out}", "rl.resume=false",
+            sets = [f"rl.algo={algo}", f"rl.max_steps={args.steps}", f"rl.rollout.engine={args.engine}", f"rl.output_dir={out}", "rl.resume=false",
                     *args.extra]
             cmd = [sys.executable, "-m", "rlhf_core.cli", "stage", "run", "rl", *[x for s in sets for x in ("--set", s)]]
             t0 = time.time()

@@ -65,9 +65,10 @@ def main() -> None:
     t_sft = rlhf(cwd, "stage", "run", "sft", "--params", "none.yaml", "--set", "sft.model_path=artifacts/base", "--set", f"sft.lr={args.sft_lr}",
                  "--set", f"sft.max_steps={args.sft_steps}", "--set", f"sft.save_steps={args.sft_steps}", "--set", "sft.cpus_per_worker=2",
                  "--set", f"sft.seed={args.seed}")
-    t_rl = rlhf(cwd, "stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft/model", "--set", "rl.engine=hf",
+    t_rl = rlhf(cwd, "stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft/model", "--set", "rl.rollout.engine=hf",
                 "--set", "rl.algo=grpo", "--set", f"rl.lr={args.rl_lr}", "--set", f"rl.max_steps={args.rl_steps}", "--set",
-                f"rl.save_steps={args.rl_steps}", "--set", "rl.prompts_per_step=32", "--set", "rl.n_samples=8", "--set", "rl.global_batch_size=256",
+                f"rl.save_steps={args.rl_steps}", "--set", "rl.rollout.prompts_per_step=32", "--set", "rl.rollout.n_samples=8",
+                "--set", "rl.global_batch_size=256",
                 "--set", "rl.eval_steps=20", "--set", f"rl.seed={args.seed}")
     sft = json.loads((cwd / "artifacts" / "sft" / "metrics.json").read_text())
     rl = json.loads((cwd / "artifacts" / "rl" / "metrics.json").read_text())

@@ -90,8 +90,10 @@ def compare_grpo(project: Path, steps: int, prompts: int, n: int) -> tuple[dict,
     hp = {"max_steps": steps, "lr": 1e-4, "warmup_steps": 3, "scheduler": "constant", "weight_decay": 0.1, "seed": 0,
           "prompts_per_step": prompts, "n_samples": n, "max_new_tokens": 8, "temperature": 1.0, "kl_coef": 0.01}
     shared = ("max_steps", "lr", "warmup_steps", "prompts_per_step", "n_samples", "max_new_tokens", "temperature", "kl_coef")
-    a = ours("rl", {**{k: hp[k] for k in shared}, "algo": "grpo", "global_batch_size": prompts * n, "kl_estimator": "k3", "kl_mode": "loss",
-                    "eval_steps": 0, "save_steps": steps}, project)
+    key = {"prompts_per_step": "rollout.prompts_per_step", "n_samples": "rollout.n_samples", "max_new_tokens": "rollout.max_new_tokens",
+           "temperature": "rollout.temperature", "kl_coef": "objective.kl_coef"}  # our rl config's sections
+    a = ours("rl", {**{key.get(k, k): hp[k] for k in shared}, "algo": "grpo", "global_batch_size": prompts * n, "objective.kl_estimator": "k3",
+                    "objective.kl_mode": "loss", "eval_steps": 0, "save_steps": steps}, project)
     b = trl({**hp, "mode": "grpo", "model": str(project / "artifacts/sft/model"), "out": str(project / "bench/trl-grpo"),
              "train_data": str(project / "data/rl.jsonl")}, project, "trl-grpo")
     return a, b, {"samples_per_step": prompts * n, "start": "artifacts/sft/model", "ours_model": "artifacts/rl/model", "trl_model": "bench/trl-grpo"}

@@ -2,16 +2,20 @@
 params.yaml is written.
 
 Anyone who can reach the Prefect API can start a deployment's flow run with any parameters, and
-an override naming code (`rl.reward_file=/any/file.py`) is then executed by the reward worker.  So a
+an override naming code (`rl.reward.file=/any/file.py`) is then executed by the reward worker.  So a
 run *from a deployment* refuses overrides of keys that name code or reach outside the project:
 
-  * code and files: any key ending in `_file` (`reward_file`, `agent_file`, `reward_token_file` ...),
-    `trust_remote_code`;
-  * a network endpoint: `reward_url`;
-  * paths outside the repository: `model_path`, `reward_model`, `output_dir`, `data_dir`, `*_data`,
+  * code and files: any key ending in `_file` (`rl.reward.file`, `agent_file`, `reward.token_file`
+    ...), `trust_remote_code`;
+  * a network endpoint: `rl.reward.url`;
+  * paths outside the repository: `model_path`, `rl.reward.model`, `output_dir`, `data_dir`, `*_data`,
     `*_dir`, `*_path`, `eval_pairs` whose value does not resolve inside it.
 
-`rlhf serve --allow-override KEY` (repeatable: a dotted key such as `rl.reward_file`, or a key name
+A key in a section is judged by its last part and by its last two parts joined with `_`
+(`rl.reward.file` is a `reward_file`), so the old flat names (`rl.reward_file`) and the new ones
+are refused alike.
+
+`rlhf serve --allow-override KEY` (repeatable: a dotted key such as `rl.reward.file`, or a key name
 such as `reward_file` for every section) lets one through: `rlhf serve` hands the list to its flow
 runs in its own environment (`RLHF_DEPLOYMENT_ALLOW_OVERRIDES`), never as a flow parameter, which
 is what the API caller controls.
@@ -75,16 +79,25 @@ def _inside(value, repo: Path) -> bool:
     return (repo / path).resolve().is_relative_to(repo.resolve())
 
 
+def _names(key: str) -> set[str]:
+    """The names a dotted key is judged by: its last part, and its last two joined by `_` (a
+    section's key: `rl.reward.url` is `reward_url`, `rl.reward.file` is `reward_file`)."""
+    parts = key.lower().split(".")
+    return {parts[-1], "_".join(parts[-2:])}
+
+
 def why_refused(key: str, value, repo: Path) -> str | None:
     """Why a deployment's flow run may not set `key` (dotted) to `value`; None: it may."""
-    name = key.rsplit(".", 1)[-1].lower()
+    names = _names(key)
     if value is None or value == "":  # unsetting a source or path names nothing
         return None
-    if name.endswith("_file"):
+    if any(name.endswith("_file") for name in names):
         return "it names a file the pipeline reads or runs as code"
-    if name in CODE_KEYS:
-        return f"it {CODE_KEYS[name]}"
-    if (name in PATH_KEYS or name.endswith(PATH_SUFFIXES)) and isinstance(value, str) and value and not _inside(value, repo):
+    code = sorted(names & set(CODE_KEYS))
+    if code:
+        return f"it {CODE_KEYS[code[0]]}"
+    if any(name in PATH_KEYS or name.endswith(PATH_SUFFIXES) for name in names) and isinstance(value, str) and value \
+            and not _inside(value, repo):
         return f"{value!r} is outside the repository {repo}"
     return None
 
@@ -100,9 +113,9 @@ def check_overrides(overrides: list[str] | None, repo: str | Path, from_deployme
                 raise OverrideRefused(
                     f"override {leaf_key} carries credentials ({redact_url(leaf)}): it would be written into params.yaml (a file in git "
                     "and dvc.lock). Give the URL without them and the token in a 0600 file: "
-                    f"--set rl.reward_token_file=PATH (`rlhf serve-reward` writes one), or run the stage with "
+                    f"--set rl.reward.token_file=PATH (`rlhf serve-reward` writes one), or run the stage with "
                     f"`rlhf stage run rl --set {leaf_key}=...`, which keeps credentials out of every file")
-            if not from_deployment or leaf_key in allowed or leaf_key.rsplit(".", 1)[-1] in allowed or key in allowed:
+            if not from_deployment or leaf_key in allowed or _names(leaf_key) & allowed or key in allowed:
                 continue
             why = why_refused(leaf_key, leaf, repo)
             if why:

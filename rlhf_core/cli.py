@@ -8,7 +8,7 @@
   rlhf serve [--port 4200]                local Prefect server (API auth: .prefect/api-auth) + deployments (full, nightly cron)
   rlhf rollouts show PATH                 summary of RL rollout Parquet
   rlhf serve-reward MODEL [--port N]      a reward model over HTTP on 127.0.0.1, bearer token in .rlhf/reward-server.token
-                                          (for rl.reward_url + rl.reward_token_file; OpenRLHF clients: /get_reward)
+                                          (for rl.reward.url + rl.reward.token_file; OpenRLHF clients: /get_reward)
   rlhf lineage show PATH                  the artifact's ancestry back to raw data, code and config
   rlhf lineage verify PATH                re-hash the whole chain; non-zero exit on any mismatch
   rlhf config show STAGE [--set k=v ...]  the resolved config of a stage, as JSON
@@ -194,12 +194,12 @@ def _inspection_commands(sub) -> None:
     p.add_argument("--samples", type=int, default=3, help="samples to print from the last step")
     p.set_defaults(func=cmd_rollouts_show)
 
-    p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score; OpenRLHF's POST /get_reward) for rl.reward_url")
+    p = sub.add_parser("serve-reward", help="serve a reward model over HTTP (POST /score; OpenRLHF's POST /get_reward) for rl.reward.url")
     p.add_argument("model", help="reward model dir, e.g. artifacts/rm/model")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; plain HTTP: put TLS in front to expose it)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--token-file", default=".rlhf/reward-server.token",
-                   help="bearer token file (0600), made at the first start and reused; clients: rl.reward_token_file=PATH "
+                   help="bearer token file (0600), made at the first start and reused; clients: rl.reward.token_file=PATH "
                         "(default: .rlhf/reward-server.token)")
     p.add_argument("--no-auth", action="store_true", help="serve without a token (anyone who can reach the port may score)")
     p.set_defaults(func=cmd_serve_reward)
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-auth", action="store_true",
                    help="start the local Prefect server without API auth (default: basic auth, the string in REPO/.prefect/api-auth)")
     p.add_argument("--allow-override", action="append", default=[], metavar="KEY",
-                   help="let deployment flow runs override KEY (e.g. rl.reward_file, or reward_file for every section), which is "
+                   help="let deployment flow runs override KEY (e.g. rl.reward.file, or reward_file for every section), which is "
                         "refused by default for keys naming code, files, URLs or paths outside the repo; repeatable")
     p.set_defaults(func=cmd_serve)
 

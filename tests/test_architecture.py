@@ -39,12 +39,13 @@ def defines(name: str) -> list[str]:
 
 
 def config_with_field(field: str) -> list[str]:
-    """Repository paths of the modules whose `Config` dataclass declares `field` with a `Literal`
-    (the user-facing choice a new algorithm / engine must be added to)."""
+    """Repository paths of the modules whose config dataclasses (a class named `Config` or
+    `...Config`: a stage's config or one of its sections, e.g. rl's `RolloutConfig`) declare
+    `field` with a `Literal` (the user-facing choice a new algorithm / engine must be added to)."""
     out = []
     for path in SOURCES:
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ClassDef) and node.name == "Config":
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
                 for stmt in node.body:
                     if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == field
                             and "Literal" in ast.unparse(stmt.annotation)):
@@ -58,7 +59,7 @@ CASES = {
                              *defines("POLICY_LOSSES"), *config_with_field("algo")},
     # a new stage: its module (the registry's naming rule), the ordered list, the DAG and its params
     "a stage": lambda: {*defines("STAGES"), "dvc.yaml", "params.yaml", "stages/NAME.py"},
-    # a new engine: the engine table and the rl Config's choice
+    # a new engine: the engine table and the choice in rl's rollout section (RolloutConfig)
     "a rollout engine": lambda: {*defines("ENGINES"), *config_with_field("engine")},
 }
 

@@ -127,15 +127,15 @@ def test_cli_and_jobs_read_the_registry(tmp_path, monkeypatch):
 
 
 def test_every_engine_is_selectable_and_speaks_the_engine_interface():
-    """Adding an engine = a class in rollout/engines.py + its ENGINES entry + its name in rl's
-    `engine` Literal; the rollout worker constructs each with the same settings."""
+    """Adding an engine = a class in rollout/engines.py + its ENGINES entry + its name in
+    `RolloutConfig.engine`'s Literal (`rl.rollout.engine`); the rollout worker constructs each with the same settings."""
     import inspect
     import typing
 
+    from rlhf_core.rollout.config import RolloutConfig
     from rlhf_core.rollout.engines import ENGINES
-    from stages.rl import Config
 
-    assert set(typing.get_args(typing.get_type_hints(Config)["engine"])) == set(ENGINES)
+    assert set(typing.get_args(typing.get_type_hints(RolloutConfig)["engine"])) == set(ENGINES)
     settings = dict(max_model_len=64, seed=0, dtype="float32", gpu_memory_utilization=0.05, enable_sleep_mode=False, trust_remote_code=False)
     for name, cls in ENGINES.items():
         inspect.signature(cls).bind("model", **settings)  # TypeError names the setting an engine does not take

@@ -16,8 +16,8 @@ Formula choices (implementations differ here):
     A zero-variance group (all scores equal) gives advantage 0, not NaN.
   * A group of one sample has no baseline: GRPO/Dr.GRPO/group-mean give 0; RLOO gives 0.
     verl instead takes mean 0 and std 1 for such a group, so its advantage is the raw score:
-    `keep_singleton_scores` (`rl.singleton_group=score`).  Singletons arise with
-    `rl.n_samples=1` or when dropped invalid samples leave one of a group.
+    `keep_singleton_scores` (`rl.objective.singleton_group=score`).  Singletons arise with
+    `rl.rollout.n_samples=1` or when dropped invalid samples leave one of a group.
   * Masked-out tokens (prompt, padding, environment feedback in multi-turn) are *transparent*
     for GAE and returns: the recursion skips them, so the last action token before an
     environment turn bootstraps from the next action token's value.

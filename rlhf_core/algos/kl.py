@@ -13,7 +13,7 @@ or with gradient as a loss term.
 Clamp choice (as in verl's `low_var_kl`): for k3 the log-ratio is clamped to [-20, 20] before
 `exp` and the result to [-10, 10], so one extreme token cannot produce inf/NaN.  `kl_penalty`'s
 `clamp` bounds any estimator's value to [-clamp, clamp]: OpenRLHF clamps every estimator at 10
-(`rl.kl_clamp=10` reproduces it); k1, k2 and abs are unclamped otherwise, as in verl and TRL.
+(`rl.objective.kl_clamp=10` reproduces it); k1, k2 and abs are unclamped otherwise, as in verl and TRL.
 """
 from __future__ import annotations
 

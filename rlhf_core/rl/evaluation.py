@@ -38,13 +38,13 @@ def evaluate(roles: Roles, cfg: Config, tokenizer, eval_rows: list[dict], eval_p
         prompts = [p for p in eval_prompts for _ in range(cfg.pass_k)]
         seeds = [10_000_019 + i for i in range(len(prompts))]
         more = ([refs for refs in images[0] for _ in range(cfg.pass_k)],) if images else ()
-        outs = roles.get(w.sample.remote(prompts, cfg.eval_max_new_tokens, cfg.temperature, seeds, *more), "eval sampling")
+        outs = roles.get(w.sample.remote(prompts, cfg.eval_max_new_tokens, cfg.rollout.temperature, seeds, *more), "eval sampling")
         texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
         solved = [any(exact_match_accuracy([texts[i * cfg.pass_k + k]], [labels[i]]) for k in range(cfg.pass_k)) for i in range(len(labels))]
         metrics[f"eval/pass@{cfg.pass_k}"] = sum(solved) / len(solved)
-    if cfg.agent != "single_turn" or cfg.agent_file:
+    if cfg.rollout.agent != "single_turn" or cfg.rollout.agent_file:
         prompts = [r["prompt"] for r in eval_rows]
-        eps = roles.get(w.rollout.remote(prompts, labels, list(range(len(labels))), cfg.max_new_tokens, 0.0, *images), "eval episodes")
+        eps = roles.get(w.rollout.remote(prompts, labels, list(range(len(labels))), cfg.rollout.max_new_tokens, 0.0, *images), "eval episodes")
         rewards = [e["env_reward"] for e in eps if e["env_reward"] is not None]
         if rewards:
             metrics["eval/success_rate"] = sum(r > 0 for r in rewards) / len(eps)

@@ -10,7 +10,6 @@ from rlhf_core.algos.aggregation import aggregate, masked_mean
 from rlhf_core.algos.kl import kl_penalty
 from rlhf_core.algos.losses import (
     IS_CORRECTIONS,
-    POLICY_LOSS_DEFAULTS,
     POLICY_LOSSES,
     SEQUENCE_LEVEL_IS,
     batch_normalise_is,
@@ -26,37 +25,30 @@ from rlhf_core.rl.collate import RLCollate, policy_logits
 from rlhf_core.rl.config import Config
 
 
-def policy_loss_settings(cfg: Config) -> dict:
-    """Clip range and aggregation of the policy loss: what the user set, else the loss type's own
-    defaults (`algos.losses.POLICY_LOSS_DEFAULTS`: GSPO's are not PPO's)."""
-    defaults = POLICY_LOSS_DEFAULTS[cfg.loss_type]
-    pick = lambda value, key: defaults[key] if value is None else value  # noqa: E731
-    return {"clip_low": pick(cfg.clip_low, "clip_low"), "clip_high": pick(cfg.clip_high, "clip_high"),
-            "agg_mode": pick(cfg.loss_agg_mode, "agg_mode")}
-
-
 def make_losses(cfg: Config) -> tuple[PolicyObjective, CriticObjective]:
     """(policy loss, critic loss) as the workers run them, with this run's settings (the KL-loss
     coefficient is set per step)."""
-    settings = policy_loss_settings(cfg)
-    policy = PolicyObjective(loss_type=cfg.loss_type, dual_clip=cfg.dual_clip, norm_len=cfg.max_new_tokens, temperature=cfg.temperature,
-                                     kl_estimator=cfg.kl_estimator, kl_clamp=cfg.kl_clamp, entropy_coef=cfg.entropy_coef,
-                                     is_correction=is_correction(cfg), is_low=cfg.is_low, is_high=cfg.is_high,
-                                     is_batch_normalize=cfg.is_batch_normalize, **settings)
-    critic = CriticObjective(value_clip=cfg.value_clip, agg_mode=settings["agg_mode"], norm_len=cfg.max_new_tokens)
+    o, norm_len = cfg.objective, cfg.rollout.max_new_tokens
+    settings = o.policy_loss_settings()
+    policy = PolicyObjective(loss_type=o.loss_type, dual_clip=o.dual_clip, norm_len=norm_len, temperature=cfg.rollout.temperature,
+                             kl_estimator=o.kl_estimator, kl_clamp=o.kl_clamp, entropy_coef=o.entropy_coef, is_correction=is_correction(cfg),
+                             is_low=o.is_low, is_high=o.is_high, is_batch_normalize=o.is_batch_normalize, **settings)
+    critic = CriticObjective(value_clip=o.value_clip, agg_mode=settings["agg_mode"], norm_len=norm_len)
     return policy, critic
 
 
 def updates_per_step(cfg: Config) -> int:
     """Optimizer updates each step makes on its samples: epochs x mini-batches (see `update`)."""
-    return cfg.ppo_epochs * max(1, round(cfg.prompts_per_step * cfg.n_samples / cfg.global_batch_size))
+    return cfg.ppo_epochs * max(1, round(cfg.rollout.prompts_per_step * cfg.rollout.n_samples / cfg.global_batch_size))
 
 
 def is_correction(cfg: Config) -> str | None:
-    """The correction the policy loss applies: the one set, else tis for async samples (see the field)."""
-    if cfg.is_correction is None:
-        return "tis" if cfg.mode == "async" else None
-    return None if cfg.is_correction == "none" else cfg.is_correction
+    """The correction the policy loss applies: the one set (`rl.objective.is_correction`), else tis
+    for async samples (`rl.rollout.mode=async`; see the field)."""
+    setting = cfg.objective.is_correction
+    if setting is None:
+        return "tis" if cfg.rollout.mode == "async" else None
+    return None if setting == "none" else setting
 
 
 def recompute_old(cfg: Config) -> bool:
@@ -67,7 +59,7 @@ def recompute_old(cfg: Config) -> bool:
         return cfg.recompute_old_logprobs
     # async: the samples' policy is older than the trainer's (the engines' log-probs are that
     # behaviour policy's: `is_correction` weighs the proximal old log-probs against them)
-    return cfg.kl_mode == "reward" or updates_per_step(cfg) > 1 or cfg.mode == "async"
+    return cfg.objective.kl_mode == "reward" or updates_per_step(cfg) > 1 or cfg.rollout.mode == "async"
 
 
 @dataclass
@@ -81,7 +73,8 @@ class Objective:
     @classmethod
     def of(cls, cfg: Config, pad_id: int, vision=None) -> "Objective":
         policy, critic = make_losses(cfg)
-        kl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
+        o = cfg.objective
+        kl = AdaptiveKLController(o.kl_coef, o.kl_target, o.kl_horizon) if o.adaptive_kl else FixedKLController(o.kl_coef)
         return cls(policy, critic, kl, RLCollate(pad_id, vision=vision, shared_prefix=cfg.shared_prefix))
 
 

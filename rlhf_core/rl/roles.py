@@ -1,5 +1,5 @@
 """The RL run's actors: policy (+ critic) trainers, reference, rollout engines and the reward
-worker, placed per `rl.layout`; weight sync from the policy into the engines."""
+worker, placed per `rl.rollout.layout`; weight sync from the policy into the engines."""
 from __future__ import annotations
 
 import logging
@@ -21,18 +21,19 @@ def check_separate_resources(cfg: Config, with_critic: bool) -> None:
     """layout=separate: the cluster must have the CPUs every role asks for."""
     import ray
 
-    need = cfg.num_workers * cfg.cpus_per_worker * (1 + with_critic) + cfg.rollout_workers * cfg.rollout_cpus + 0.5
+    ro = cfg.rollout
+    need = cfg.num_workers * cfg.cpus_per_worker * (1 + with_critic) + ro.workers * ro.cpus + 0.5
     resources = ray.cluster_resources()
     have = resources.get("CPU", 0)
-    if cfg.rollout_resource and resources.get(cfg.rollout_resource, 0) < cfg.rollout_workers:
-        raise RuntimeError(f"rl.rollout_resource={cfg.rollout_resource}: the cluster has {resources.get(cfg.rollout_resource, 0):g} "
-                           f"of it, the {cfg.rollout_workers} rollout engine(s) need one each (start nodes with "
-                           f"`ray start --resources='{{\"{cfg.rollout_resource}\": N}}'`)")
+    if ro.resource and resources.get(ro.resource, 0) < ro.workers:
+        raise RuntimeError(f"rl.rollout.resource={ro.resource}: the cluster has {resources.get(ro.resource, 0):g} "
+                           f"of it, the {ro.workers} rollout engine(s) need one each (start nodes with "
+                           f"`ray start --resources='{{\"{ro.resource}\": N}}'`)")
     if need > have:
         critic = " x2 with the critic" if with_critic else ""
-        raise RuntimeError(f"layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{critic}, "
-                           f"rollout {cfg.rollout_workers}x{cfg.rollout_cpus:g}, reference + reward 0.5) but the cluster has {have:g}; "
-                           f"lower rl.rollout_cpus / rl.cpus_per_worker or use rl.layout=colocated")
+        raise RuntimeError(f"rl.rollout.layout=separate needs {need:g} CPUs (trainers {cfg.num_workers}x{cfg.cpus_per_worker:g}{critic}, "
+                           f"rollout {ro.workers}x{ro.cpus:g}, reference + reward 0.5) but the cluster has {have:g}; "
+                           f"lower rl.rollout.cpus / rl.cpus_per_worker or use rl.rollout.layout=colocated")
 
 
 def reward_actor(cfg: Config, placement: dict, pad_id: int, threads: int):
@@ -57,14 +58,15 @@ class Roles:
         from rlhf_core.rollout.workers import ForwardWorker, RolloutWorker
 
         with_critic = ALGO_RECIPES[cfg.algo].needs_critic
-        colocated = cfg.layout == "colocated"
+        ro = cfg.rollout
+        colocated = ro.layout == "colocated"
         n_roles = 4 + with_critic  # policy, (critic), reference, rollout, reward share a bundle when colocated
         share = 1.0 / n_roles if colocated else 1.0
-        bounded = dict(timeout=cfg.rollout_timeout, timeout_setting="rollout_timeout")  # every call and train step
+        bounded = dict(timeout=ro.timeout, timeout_setting="rl.rollout.timeout")  # every call and train step
         # every role starts at once, waited for together below: the trainers' start (DeepSpeed) and
         # the engine's (vLLM's import and init) overlap instead of running one after the other
         self.policy = WorkerGroup(cfg, model_path, "causal_lm", pad_token_id=pad_id, share=share, name="policy", wait=False, **bounded)
-        self.critic = WorkerGroup(replace(cfg, lr=cfg.critic_lr), model_path, "value", pad_token_id=pad_id, share=share,
+        self.critic = WorkerGroup(replace(cfg, lr=cfg.objective.critic_lr), model_path, "value", pad_token_id=pad_id, share=share,
                                   pg=self.policy.pg if colocated else None, name="critic", wait=False, **bounded) if with_critic else None
 
         if not colocated:
@@ -80,37 +82,35 @@ class Roles:
         env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}}
         # torch threads per role: colocated roles take turns on the bundle's CPUs (a step's phases
         # run one after the other), so each uses all of them; separate ones use their own share
-        threads = max(1, int(cfg.cpus_per_worker)) if colocated else max(1, int(cfg.rollout_cpus))
+        threads = max(1, int(cfg.cpus_per_worker)) if colocated else max(1, int(ro.cpus))
         # LoRA: the reference is the policy's base with its adapters off (`evaluate_base`), no copy
-        self.reference = None if cfg.lora_rank else ray.remote(ForwardWorker).options(**place(0, 0.25, cfg.rollout_gpus)).remote(
+        self.reference = None if cfg.lora_rank else ray.remote(ForwardWorker).options(**place(0, 0.25, ro.gpus)).remote(
             model_path, cfg.dtype, cfg.trust_remote_code, threads if colocated else 1)
         # partial rollouts: weight syncs in a thread of their own, beside the round being generated
-        self.sync_group = RolloutWorker.SYNC_GROUP if cfg.partial_rollout_tokens > 0 else None
+        self.sync_group = RolloutWorker.SYNC_GROUP if ro.partial_rollout_tokens > 0 else None
         actor = ray.remote(concurrency_groups={self.sync_group: 1})(RolloutWorker) if self.sync_group else ray.remote(RolloutWorker)
         self.rollout = [
-            actor.options(**place(i, cfg.rollout_cpus, cfg.rollout_gpus, {cfg.rollout_resource: 1} if cfg.rollout_resource else None),
-                          runtime_env=env).remote(
-                engine=cfg.engine, model_path=model_path, max_len=cfg.max_len, seed=cfg.seed + i, agent=cfg.agent,
-                agent_file=cfg.agent_file and str(Path(cfg.agent_file).resolve()), env_timeout=cfg.env_timeout, max_turns=cfg.max_turns,
-                dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.engine_sleep and cfg.engine_sleep_level,
-                trust_remote_code=cfg.trust_remote_code, threads=threads, segment=cfg.partial_rollout_tokens,
-                tensor_parallel=cfg.rollout_tensor_parallel)
-            for i in range(cfg.rollout_workers)
+            actor.options(**place(i, ro.cpus, ro.gpus, {ro.resource: 1} if ro.resource else None), runtime_env=env).remote(
+                engine=ro.engine, model_path=model_path, max_len=cfg.max_len, seed=cfg.seed + i, agent=ro.agent,
+                agent_file=ro.agent_file and str(Path(ro.agent_file).resolve()), env_timeout=ro.env_timeout, max_turns=ro.max_turns,
+                dtype=cfg.dtype, gpu_memory_utilization=ro.gpu_memory_utilization, sleep=ro.engine_sleep and ro.engine_sleep_level,
+                trust_remote_code=cfg.trust_remote_code, threads=threads, segment=ro.partial_rollout_tokens, tensor_parallel=ro.tensor_parallel)
+            for i in range(ro.workers)
         ]
         # a reward model computes on a GPU where the engines have them; a reward file or URL needs none
-        self.reward = reward_actor(cfg, place(0, 0.25, cfg.rollout_gpus if cfg.reward_model else 0.0), pad_id, threads if colocated else 1)
-        self.timeout, self.collective = cfg.rollout_timeout, False
+        self.reward = reward_actor(cfg, place(0, 0.25, ro.gpus if cfg.reward.model else 0.0), pad_id, threads if colocated else 1)
+        self.timeout, self.collective = ro.timeout, False
         # surface construction errors (bad model path, missing reward file, engine start-up) now
         others = [self.reward] + ([self.reference] if self.reference else [])
         self.get([w.ready.remote() for w in self.rollout + others], "starting the rollout/reward/reference actors")
         log.info("rollout engines on %s", ", ".join(self.get([w.node.remote() for w in self.rollout], "placement")))
         for group, _ in self.trainers():
             group.ready()
-        if cfg.weight_sync == "collective":
+        if ro.weight_sync == "collective":
             self.join_weight_group(cfg)
 
     def join_weight_group(self, cfg: Config) -> None:
-        """Trainer rank 0 and every engine form the weight-sync group (rl.weight_sync=collective),
+        """Trainer rank 0 and every engine form the weight-sync group (rl.rollout.weight_sync=collective),
         its address on rank 0's node; the engines learn the weights' layout once."""
         from rlhf_core.runtime.actor import rendezvous_at
         from rlhf_core.runtime.weight_sync import backend_for
@@ -131,7 +131,7 @@ class Roles:
         try:
             return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{what} took longer than rollout_timeout={self.timeout}s") from None
+            raise TimeoutError(f"{what} took longer than rl.rollout.timeout={self.timeout}s") from None
 
     def trainers(self) -> list[tuple[WorkerGroup, str]]:
         """The trained groups, each with its subdirectory in a checkpoint."""
@@ -180,7 +180,7 @@ class Roles:
         return time.time() - t0
 
     def broadcast_weights(self, version: int) -> float:
-        """rl.weight_sync=collective: trainer rank 0 broadcasts, every engine receives and loads."""
+        """rl.rollout.weight_sync=collective: trainer rank 0 broadcasts, every engine receives and loads."""
         t0 = time.time()
         self.get([w.wake_up.remote() for w in self.rollout], "engine wake-up")
         receiving = [w.receive_weights.remote(version) for w in self.rollout]

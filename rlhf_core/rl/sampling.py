@@ -22,14 +22,16 @@ def score(roles: Roles, cfg: Config, batch: RolloutBatch) -> tuple[RolloutBatch,
 
 def apply_rewards(cfg: Config, batch: RolloutBatch, scored: list[dict]) -> tuple[RolloutBatch, int]:
     """The batch with rewards, penalties and the invalid ones marked (`filter = invalid`, never
-    scored 0), and the number of invalid samples.  Raises above `max_invalid_ratio`."""
+    scored 0), and the number of invalid samples.  Raises above `rl.reward.max_invalid_ratio`."""
+    rw = cfg.reward
     reasons = [r["invalid"] for r in scored]
     lengths = batch.action_mask.sum(-1)
     components, scores = [dict(r["components"]) for r in scored], []
     for i, r in enumerate(scored):
         penalty = 0.0
-        if cfg.overlong_buffer and not r["invalid"]:
-            penalty = float(overlong_penalty(lengths[i:i + 1], cfg.max_new_tokens * batch.turns[i], cfg.overlong_buffer, cfg.overlong_penalty)[0])
+        if rw.overlong_buffer and not r["invalid"]:
+            penalty = float(overlong_penalty(lengths[i:i + 1], cfg.rollout.max_new_tokens * batch.turns[i], rw.overlong_buffer,
+                                             rw.overlong_penalty)[0])
             components[i]["overlong_penalty"] = penalty
         scores.append(r["score"] + penalty)
     invalid = sum(1 for x in reasons if x)
@@ -37,8 +39,8 @@ def apply_rewards(cfg: Config, batch: RolloutBatch, scored: list[dict]) -> tuple
         log.warning("%d of %d samples have an invalid reward (dropped): %s", invalid, len(batch), sorted({x for x in reasons if x})[:3])
     batch = batch.with_columns(reward=[r["score"] for r in scored], components=components, invalid=reasons, score=scores,
                                filter=["invalid" if x else f for x, f in zip(reasons, batch.filter)])
-    if invalid / len(batch) > cfg.max_invalid_ratio:
-        raise RuntimeError(f"{invalid} of {len(batch)} samples have an invalid reward, above max_invalid_ratio={cfg.max_invalid_ratio}: "
+    if invalid / len(batch) > rw.max_invalid_ratio:
+        raise RuntimeError(f"{invalid} of {len(batch)} samples have an invalid reward, above rl.reward.max_invalid_ratio={rw.max_invalid_ratio}: "
                            f"{sorted({x for x in reasons if x})[:3]}")
     return batch, invalid
 
@@ -65,33 +67,34 @@ def sample_batch(roles: Roles, cfg: Config, producer: RolloutProducer, version: 
     for at most `dynamic_sampling_rounds` rounds; kept groups beyond the batch are marked `surplus`
     (DAPO trims to the batch size).  Every drawn prompt counts as consumed, so a resume replays the
     same rounds.  Returns (samples of every round, invalid count, prompts drawn, rounds)."""
+    ro, dynamic = cfg.rollout, cfg.objective.dynamic_sampling
     rounds_out, invalid, drawn, rounds = [], 0, 0, 0
-    while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
+    while rounds < (cfg.objective.dynamic_sampling_rounds if dynamic else 1):
         rounds += 1
         rnd, waited = producer.take()
-        batch = mark_stale(rnd.batch, version, cfg.max_staleness) if cfg.mode == "async" else rnd.batch
-        drawn += cfg.prompts_per_step
+        batch = mark_stale(rnd.batch, version, ro.max_staleness) if ro.mode == "async" else rnd.batch
+        drawn += ro.prompts_per_step
         times["rollout_s"] += waited
         times["rollout_busy_s"] += rnd.busy_s
         tic = time.time()
         batch, bad = score(roles, cfg, batch)
         invalid += bad
         times["reward_s"] += time.time() - tic
-        if not cfg.dynamic_sampling:
+        if not dynamic:
             rounds_out.append(batch)
             break
         rounds_out.append(apply_dynamic_sampling(batch))
-        if len({g for b in rounds_out for g, f in zip(b.group, b.filter) if f == "kept"}) >= cfg.prompts_per_step:
+        if len({g for b in rounds_out for g, f in zip(b.group, b.filter) if f == "kept"}) >= ro.prompts_per_step:
             break
     samples = RolloutBatch.concat(rounds_out)
-    if cfg.dynamic_sampling:
+    if dynamic:
         groups = sorted({g for g, f in zip(samples.group, samples.filter) if f == "kept"})
-        batch_groups = set(groups[:cfg.prompts_per_step])
+        batch_groups = set(groups[:ro.prompts_per_step])
         samples = samples.with_columns(filter=["surplus" if f == "kept" and g not in batch_groups else f
                                                for g, f in zip(samples.group, samples.filter)])
-        if len(groups) < cfg.prompts_per_step:
-            log.warning("dynamic sampling: %d of %d groups kept after %d rounds (dynamic_sampling_rounds); training on them",
-                        len(groups), cfg.prompts_per_step, rounds)
+        if len(groups) < ro.prompts_per_step:
+            log.warning("dynamic sampling: %d of %d groups kept after %d rounds (rl.objective.dynamic_sampling_rounds); training on them",
+                        len(groups), ro.prompts_per_step, rounds)
     return samples, invalid, drawn, rounds
 
 

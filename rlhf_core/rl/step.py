@@ -29,17 +29,18 @@ def forward_stats(roles: Roles, cfg: Config, kept: RolloutBatch, collate) -> Rol
     """The kept samples with reference log-probs, old log-probs (policy; only if `recompute_old`)
     and values (critic)."""
     batches = batching.batches(collate, kept, cfg.eval_batch_size)
-    logprobs = partial(logprobs_fn, temperature=cfg.temperature)  # the distribution the engine sampled from
+    logprobs = partial(logprobs_fn, temperature=cfg.rollout.temperature)  # the distribution the engine sampled from
     if roles.reference is None:  # LoRA: the policy's base, adapters off
         ref = roles.policy.call_rank0("evaluate_base", batches, logprobs)
     else:
         ref = roles.reference.evaluate.remote(batches, logprobs)
-    if cfg.layout == "colocated" and roles.reference is not None:
+    colocated = cfg.rollout.layout == "colocated"
+    if colocated and roles.reference is not None:
         # the roles share the bundle's cores: one forward at a time (two at once oversubscribe them)
         ref = roles.get(ref, "reference forward")
     old = roles.policy.call_rank0("evaluate", batches, logprobs) if recompute_old(cfg) else None
     values = roles.critic.call_rank0("evaluate", batches, values_fn) if roles.critic else None
-    ref = ref if cfg.layout == "colocated" or roles.reference is None else roles.get(ref, "reference forward")
+    ref = ref if colocated or roles.reference is None else roles.get(ref, "reference forward")
     return kept.with_columns(old_logprobs=old, ref_logprobs=ref, old_values=values)
 
 
@@ -47,7 +48,7 @@ def update(group: WorkerGroup, cfg: Config, batch: RolloutBatch, collate, loss_f
     """`ppo_epochs` passes over the samples in mini-batches of global_batch_size (rescaled when
     filtering removed samples); deterministic shuffles."""
     rows, n = [], len(group.workers)
-    n_mb = max(1, min(round(cfg.prompts_per_step * cfg.n_samples / cfg.global_batch_size), len(batch) // n))
+    n_mb = max(1, min(round(cfg.rollout.prompts_per_step * cfg.rollout.n_samples / cfg.global_batch_size), len(batch) // n))
     for epoch in range(cfg.ppo_epochs):
         order = list(range(len(batch)))
         random.Random(cfg.seed * 7919 + step * 31 + epoch).shuffle(order)
@@ -65,13 +66,14 @@ def train_on(roles: Roles, cfg: Config, obj: Objective, kept: RolloutBatch, step
     every rank skipped the policy update)."""
     tic = time.time()
     kept = forward_stats(roles, cfg, kept, obj.collate)
-    kept, adv_stats = compute_advantages(kept, cfg.algo, kl_coef=obj.kl.value, kl_in_reward=cfg.kl_mode == "reward",
-                                                 kl_estimator=cfg.kl_estimator, gamma=cfg.gamma, lam=cfg.lam, whiten_gae=cfg.whiten_gae,
-                                                 reward_clip=cfg.reward_clip, kl_clamp=cfg.kl_clamp, singleton_group=cfg.singleton_group)
+    o = cfg.objective
+    kept, adv_stats = compute_advantages(kept, cfg.algo, kl_coef=obj.kl.value, kl_in_reward=o.kl_mode == "reward", kl_estimator=o.kl_estimator,
+                                         gamma=o.gamma, lam=o.lam, whiten_gae=o.whiten_gae, reward_clip=o.reward_clip, kl_clamp=o.kl_clamp,
+                                         singleton_group=o.singleton_group)
     times["forward_s"], tic = time.time() - tic, time.time()
-    if cfg.engine_sleep:
+    if cfg.rollout.engine_sleep:
         roles.sleep_engines()
-    kl_loss_coef = obj.kl.value if cfg.kl_mode == "loss" else 0.0
+    kl_loss_coef = obj.kl.value if o.kl_mode == "loss" else 0.0
     stats = update(roles.policy, cfg, kept, obj.collate, replace(obj.policy_loss, kl_loss_coef=kl_loss_coef), step)
     row = {}
     if roles.critic:
@@ -116,7 +118,7 @@ def rl_step_once(roles: Roles, cfg: Config, obj: Objective, producer: RolloutPro
         nan_guard.update(skipped, state, step)
     else:
         log.warning("step %d: no sample left after filtering (%d invalid); no update", step, invalid)
-    times["sync_s"] = roles.sync_weights(step, producer if cfg.mode == "async" else None)
+    times["sync_s"] = roles.sync_weights(step, producer if cfg.rollout.mode == "async" else None)
     obj.kl.update(kl, len(kept_idx))
     records = step_records(samples, trained_idx, trained, state.extra["run_id"], step)
     state.step, state.consumed = step, state.consumed + drawn

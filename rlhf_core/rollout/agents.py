@@ -95,7 +95,7 @@ def generate_turn(engine, contexts: list[list[int]], budgets: list[int], tempera
         v = version()
         return [(out, [v] * len(out.token_ids)) for out in engine.generate(contexts, budgets, temperature, seeds, **images)]
     if images:
-        raise NotImplementedError("partial rollouts (rl.partial_rollout_tokens) of image prompts are not supported yet")
+        raise NotImplementedError("partial rollouts (rl.rollout.partial_rollout_tokens) of image prompts are not supported yet")
     done = [(Completion([], [], "length"), []) for _ in contexts]
     active, piece = list(range(len(contexts))), 0
     while active:

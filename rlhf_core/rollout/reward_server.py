@@ -9,7 +9,7 @@ GET  /health -> {"status": "ok", "auth": "bearer"}  (+ "model": PATH with the to
 Both POSTs need `Authorization: Bearer TOKEN` (401 + `WWW-Authenticate: Bearer` otherwise): the
 token is made at the first start (`secrets.token_urlsafe(32)`) and kept in a 0600 file (directory
 0700; default `.rlhf/reward-server.token`), reused by later starts; the rl stage reads it with
-`rl.reward_token_file=PATH`.  It is never logged.  `--no-auth` turns this off (with a warning).
+`rl.reward.token_file=PATH`.  It is never logged.  `--no-auth` turns this off (with a warning).
 
 With `token_ids` the model scores exactly those ids (token in, token out); without them it
 tokenizes prompt + response (for /get_reward: the query, split after its prompt where the prompt
@@ -35,7 +35,7 @@ MAX_DRAIN = 64 << 20  # an unauthorised request's body read (and dropped) so its
 
 
 UNAUTHORIZED = {"error": "unauthorized: send `Authorization: Bearer TOKEN`, TOKEN being the content of the server's token file "
-                         "(rl stage: rl.reward_token_file=PATH)"}
+                         "(rl stage: rl.reward.token_file=PATH)"}
 
 
 def authorized(headers, expected: bytes | None) -> bool:
@@ -143,7 +143,7 @@ def serve(model_path: str, host: str, port: int, token_file: str | Path = DEFAUL
         token, created = secret_file(token_file, lambda: secrets.token_urlsafe(32), "reward server token file")
         path = Path(token_file).resolve()
         print(f"bearer token {'written to' if created else 'read from'} {path} (0600; never printed): clients send\n"
-              f"  Authorization: Bearer <the file's content>\n  rl stage: --set rl.reward_token_file={path}", flush=True)
+              f"  Authorization: Bearer <the file's content>\n  rl stage: --set rl.reward.token_file={path}", flush=True)
     else:
         log.warning("--no-auth: the reward server answers anyone who can reach %s:%d", host, port)
     server = make_server(model_path, host, port, token=token)

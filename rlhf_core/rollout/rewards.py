@@ -13,7 +13,8 @@ A source maps a batch of samples to one float per sample, plus named components:
     error that names the URL.
 
 `REWARD_SOURCES` is the table the rl stage selects from: each entry names a source's class, the
-rl settings that configure it, its weight setting and the settings that name local inputs.  Adding
+rl settings that configure it (`rl.reward.*`, `rollout/config.py::RewardConfig`), its weight
+setting and the settings that name local inputs.  Adding
 a source: its class here (or in a module of its own), one entry, a test.
 
 `combine` weights the sources.  A source that raises, returns None/NaN (as a reward or as any
@@ -218,8 +219,8 @@ class HttpReward:
             url = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
         if token_file:
             if "Authorization" in self.headers:
-                raise ValueError(f"reward_url {self.shown} has user:password@ and a reward_token_file: give one of them")
-            self.headers["Authorization"] = f"Bearer {read_secret_file(token_file, 'reward_token_file')}"
+                raise ValueError(f"rl.reward.url {self.shown} has user:password@ and a rl.reward.token_file: give one of them")
+            self.headers["Authorization"] = f"Bearer {read_secret_file(token_file, 'rl.reward.token_file')}"
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
         self.protocol = url_protocol(url, protocol)
         self.name = f"reward_url {self.shown}"
@@ -245,7 +246,7 @@ class HttpReward:
             except RewardError:
                 raise
             except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}" + (" (unauthorized: check rl.reward_token_file, the server's token file)" if e.code == 401 else "")
+                last = f"HTTP {e.code}" + (" (unauthorized: check rl.reward.token_file, the server's token file)" if e.code == 401 else "")
                 if e.code < 500:  # a client error will not heal by retrying
                     break
             except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
@@ -270,11 +271,12 @@ def combine(results: dict[str, tuple], weights: dict[str, float], n: int) -> tup
 
 @dataclass(frozen=True)
 class RewardSource:
-    """A reward source as the rl stage selects it.  `settings(cfg, pad_token_id)`: the keyword
-    arguments `cls` is built with in the reward actor (local paths made absolute: the actor runs in
-    another directory), None when the run does not use it; `weight`: the rl setting weighing its
-    score in `combine`; `inputs`: the rl settings naming files its scores depend on (a resumed
-    checkpoint and the manifest's lineage cover them)."""
+    """A reward source as the rl stage selects it.  `settings(cfg, pad_token_id)` (cfg: the rl
+    config): the keyword arguments `cls` is built with in the reward actor (local paths made
+    absolute: the actor runs in another directory), None when the run does not use it; `weight`:
+    the `RewardConfig` field (`rl.reward.<weight>`) weighing its score in `combine`; `inputs`: the
+    `RewardConfig` fields naming files its scores depend on (a resumed checkpoint and the
+    manifest's lineage cover them)."""
     cls: type
     settings: Callable[[Any, int], dict | None]
     weight: str | None = None
@@ -287,15 +289,15 @@ def _local(path: str) -> str:
 
 # The component name is the key: it names the source in `components`, in the history and in `weights`.
 REWARD_SOURCES: dict[str, RewardSource] = {
-    "reward_file": RewardSource(FunctionReward, lambda cfg, pad: {"path": _local(cfg.reward_file)} if cfg.reward_file else None,
-                                weight="reward_file_weight", inputs=("reward_file",)),
-    "reward_model": RewardSource(ModelReward, lambda cfg, pad: dict(path=_local(cfg.reward_model), pad_token_id=pad,
-                                                                    trust_remote_code=cfg.trust_remote_code) if cfg.reward_model else None,
-                                 weight="reward_model_weight", inputs=("reward_model",)),
-    "reward_url": RewardSource(HttpReward, lambda cfg, pad: dict(url=cfg.reward_url, timeout=cfg.reward_url_timeout, retries=cfg.reward_url_retries,
-                                                                 protocol=cfg.reward_url_protocol,
-                                                                 token_file=_local(cfg.reward_token_file) if cfg.reward_token_file else None)
-                               if cfg.reward_url else None, weight="reward_url_weight"),
+    "reward_file": RewardSource(FunctionReward, lambda cfg, pad: {"path": _local(cfg.reward.file)} if cfg.reward.file else None,
+                                weight="file_weight", inputs=("file",)),
+    "reward_model": RewardSource(ModelReward, lambda cfg, pad: dict(path=_local(cfg.reward.model), pad_token_id=pad,
+                                                                    trust_remote_code=cfg.trust_remote_code) if cfg.reward.model else None,
+                                 weight="model_weight", inputs=("model",)),
+    "reward_url": RewardSource(HttpReward, lambda cfg, pad: dict(url=cfg.reward.url, timeout=cfg.reward.url_timeout, retries=cfg.reward.url_retries,
+                                                                 protocol=cfg.reward.url_protocol,
+                                                                 token_file=_local(cfg.reward.token_file) if cfg.reward.token_file else None)
+                               if cfg.reward.url else None, weight="url_weight"),
 }
 BUILTIN = "exact_match"
 """The source used when a single-turn run configures none: exact match against the row's label."""
@@ -305,14 +307,14 @@ def selected_sources(cfg, pad_token_id: int) -> dict[str, dict]:
     """{component name: constructor keywords} of the sources `cfg` (the rl config) turns on, in
     `REWARD_SOURCES` order; the builtin exact match when none is and no environment rewards."""
     chosen = {name: kw for name, src in REWARD_SOURCES.items() if (kw := src.settings(cfg, pad_token_id)) is not None}
-    if not chosen and cfg.agent == "single_turn" and not cfg.agent_file:
+    if not chosen and cfg.rollout.agent == "single_turn" and not cfg.rollout.agent_file:
         chosen = {BUILTIN: {}}
     return chosen
 
 
 def source_weights(cfg) -> dict[str, float]:
-    """Each source's weight (the environment's own reward is the component `env`)."""
-    return {**{name: getattr(cfg, src.weight) for name, src in REWARD_SOURCES.items() if src.weight}, "env": cfg.env_reward_weight}
+    """Each source's weight (`rl.reward.*_weight`; the environment's own reward is the component `env`)."""
+    return {**{name: getattr(cfg.reward, src.weight) for name, src in REWARD_SOURCES.items() if src.weight}, "env": cfg.reward.env_weight}
 
 
 def build_source(name: str, settings: dict):
@@ -322,4 +324,4 @@ def build_source(name: str, settings: dict):
 
 def reward_inputs(cfg) -> tuple[str, ...]:
     """The local files the configured sources' scores depend on (`RewardSource.inputs`)."""
-    return tuple(getattr(cfg, key) for src in REWARD_SOURCES.values() for key in src.inputs if getattr(cfg, key))
+    return tuple(getattr(cfg.reward, key) for src in REWARD_SOURCES.values() for key in src.inputs if getattr(cfg.reward, key))

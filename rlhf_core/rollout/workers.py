@@ -22,7 +22,7 @@ from rlhf_core.runtime.weight_sync import Layout, WeightGroup, empty_buffers, un
 
 
 class RolloutWorker(PeakMemory):
-    """With `segment` > 0 (partial rollouts, rl.partial_rollout_tokens) the actor runs weight syncs
+    """With `segment` > 0 (partial rollouts, rl.rollout.partial_rollout_tokens) the actor runs weight syncs
     in a concurrency group of their own (`SYNC_GROUP`): a sync arriving mid-round waits only for
     the piece being generated, and the episodes go on under the new weights.  The engine is used
     by one thread at a time (`self.lock`)."""
@@ -112,7 +112,7 @@ class RolloutWorker(PeakMemory):
         return time.time() - t0
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, layout: Layout) -> None:
-        """rl.weight_sync=collective: join the trainer's weight group as `rank` (1..n)."""
+        """rl.rollout.weight_sync=collective: join the trainer's weight group as `rank` (1..n)."""
         self.weight_group, self.layout = WeightGroup(host, port, rank, world_size, timeout_s, backend), layout
 
     def receive_weights(self, version: int) -> float:
@@ -180,7 +180,7 @@ class RewardWorker(PeakMemory):
             results["env"] = ([math.nan if v is None else float(v) for v in env], {},
                               [None if v is not None else "environment gave no reward" for v in env])
         if not results:
-            raise RewardError("no reward source: set reward_file, reward_model or reward_url, or use an agent whose environment rewards")
+            raise RewardError("no reward source: set rl.reward.file, rl.reward.model or rl.reward.url, or use an agent whose environment rewards")
         scores, components, reasons = combine(results, self.weights, n)
         # the gold (verifiable) reward, logged beside whatever the policy is trained on -- with a
         # reward model that is the over-optimisation curve; weight 0, never part of the score

@@ -88,7 +88,7 @@ def kill_worker_during(step: int, worker) -> None:
 
 def hang(point: str) -> None:
     """`hang:POINT`: block this actor call for good, as a wedged engine or reward service would;
-    the driver's `rl.rollout_timeout` must turn it into an error (the actor dies with the job)."""
+    the driver's `rl.rollout.timeout` must turn it into an error (the actor dies with the job)."""
     if armed("hang") == point:
         log.warning("RLHF_FAULT: hang at %s", point)
         while True:

@@ -1,4 +1,4 @@
-"""Policy weights from trainer rank 0 to the rollout engines over a collective (`rl.weight_sync=
+"""Policy weights from trainer rank 0 to the rollout engines over a collective (`rl.rollout.weight_sync=
 collective`) instead of through Ray's object store: one process group spanning trainer rank 0
 (group rank 0) and every rollout worker (ranks 1..n) in which rank 0 broadcasts the weights as one
 flat buffer per dtype -- NCCL between GPU buffers when every member has a GPU of its own

@@ -187,7 +187,7 @@ class TrainWorker(PeakMemory):
         """The full weights as CPU tensors, for a weight sync through Ray's object store."""
         return self._with_full_weights(lambda named: [(k, v.detach().cpu().clone()) for k, v in named]) or []
 
-    # --- weight sync over a collective (rl.weight_sync=collective; rank 0 is the sender) ---------
+    # --- weight sync over a collective (rl.rollout.weight_sync=collective; rank 0 is the sender) ---------
 
     def weight_layout(self) -> Layout | None:
         self.layout = self._with_full_weights(Layout.of)

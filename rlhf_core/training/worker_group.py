@@ -33,7 +33,7 @@ class WorkerGroup:
 
     `share` < 1 lets other roles use the rest of each bundle (the RL colocated layout passes the
     policy group's `pg` to its critic and to the rollout/reference/reward actors).  `timeout`
-    bounds every call and training step, in seconds (rl: `rl.rollout_timeout`): a wedged worker
+    bounds every call and training step, in seconds (rl: `rl.rollout.timeout`): a wedged worker
     becomes a `TimeoutError` naming the call, never a hung job."""
 
     def __init__(self, cfg: TrainConfig, model_path: str, model_kind: str, *, pad_token_id: int | None = None, share: float = 1.0, pg=None,

@@ -32,9 +32,9 @@ PARAMS = {
     "sft": {"max_steps": 2, "save_steps": 2, "global_batch_size": 16, "eval_max_new_tokens": 2},
     "rm": {"max_steps": 2, "global_batch_size": 16},
     "dpo": {"max_steps": 4, "save_steps": 2, "global_batch_size": 16, "eval_max_new_tokens": 2},
-    "rl": {"max_steps": 2, "prompts_per_step": 4, "n_samples": 4, "global_batch_size": 16, "engine": "hf", "pass_k": 1,
-           "sync_check_prompts": 0, "max_new_tokens": 4, "eval_max_new_tokens": 2},
-    "rl_variants": {"rlhf": {"algo": "ppo", "reward_model": "artifacts/rm/model"}, "rlvr": {"algo": "grpo"}},
+    "rl": {"max_steps": 2, "global_batch_size": 16, "pass_k": 1, "sync_check_prompts": 0, "eval_max_new_tokens": 2,
+           "rollout": {"prompts_per_step": 4, "n_samples": 4, "engine": "hf", "max_new_tokens": 4}},
+    "rl_variants": {"rlhf": {"algo": "ppo", "reward": {"model": "artifacts/rm/model"}}, "rlvr": {"algo": "grpo"}},
 }
 
 

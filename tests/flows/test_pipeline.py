@@ -22,9 +22,9 @@ TINY_PARAMS = {
     "sft": {"max_steps": 4, "save_steps": 2, "global_batch_size": 16, "eval_max_new_tokens": 4},
     "rm": {"max_steps": 2, "global_batch_size": 16, "pooling": "response_sum"},
     "dpo": {"max_steps": 2, "global_batch_size": 16, "eval_max_new_tokens": 4},
-    "rl": {"max_steps": 2, "prompts_per_step": 4, "n_samples": 4, "global_batch_size": 16, "engine": "hf", "pass_k": 1,
-           "sync_check_prompts": 0, "max_new_tokens": 4, "eval_max_new_tokens": 4},
-    "rl_variants": {"rlhf": {"algo": "ppo", "reward_model": "artifacts/rm/model"}, "rlvr": {"algo": "grpo"}},
+    "rl": {"max_steps": 2, "global_batch_size": 16, "pass_k": 1, "sync_check_prompts": 0, "eval_max_new_tokens": 4,
+           "rollout": {"prompts_per_step": 4, "n_samples": 4, "engine": "hf", "max_new_tokens": 4}},
+    "rl_variants": {"rlhf": {"algo": "ppo", "reward": {"model": "artifacts/rm/model"}}, "rlvr": {"algo": "grpo"}},
 }
 
 
@@ -179,7 +179,7 @@ def test_served_deployment_then_skip_rerun_promote_and_fail(repo, flow_env):
     assert f"[{source}]" in lineage and "[sft]" in lineage and "lineage unavailable" not in lineage, lineage[:2000]
 
     # a failing stage fails the run and the command
-    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", "--set", "rl.reward_file=missing_reward.py", "--retries", "0",
+    bad = rlhf("pipeline", "run", "--repo", str(root), "--stages", "rl@rlvr", "--set", "rl.reward.file=missing_reward.py", "--retries", "0",
                cwd=root, env=flow)
     assert bad.returncode == 1 and "stage rl@rlvr failed" in bad.stderr
 

@@ -51,11 +51,11 @@ def fake_serve(monkeypatch):
 
 @pytest.mark.unit
 def test_serve_starts_the_server_with_auth_and_says_how_to_reach_it(tmp_path, fake_serve, capsys):
-    S.serve(str(tmp_path), 4321, allow_overrides=["rl.reward_file", "reward_url"])
+    S.serve(str(tmp_path), 4321, allow_overrides=["rl.reward.file", "reward_url"])
     auth = (tmp_path / ".prefect" / "api-auth").read_text().strip()
     assert fake_serve["server"].auth == auth and fake_serve["server"].url == "http://127.0.0.1:4321/api" and fake_serve["stopped"]
     assert fake_serve["env"] == {"PREFECT_API_URL": "http://127.0.0.1:4321/api", "PREFECT_API_AUTH_STRING": auth,
-                                 ALLOW_ENV: "rl.reward_file,reward_url", REPO_ENV: str(tmp_path.resolve())}
+                                 ALLOW_ENV: "rl.reward.file,reward_url", REPO_ENV: str(tmp_path.resolve())}
     out = capsys.readouterr().out
     assert f'export PREFECT_API_AUTH_STRING="$(cat {tmp_path.resolve() / ".prefect" / "api-auth"})"' in out
     assert "export PREFECT_API_URL=http://127.0.0.1:4321/api" in out and auth not in out and auth.split(":")[1] not in out
@@ -81,8 +81,8 @@ def test_cli_serve_flags():
 
     args = build_parser().parse_args(["serve"])
     assert args.no_auth is False and args.allow_override == []
-    args = build_parser().parse_args(["serve", "--no-auth", "--allow-override", "rl.reward_file", "--allow-override", "reward_url"])
-    assert args.no_auth is True and args.allow_override == ["rl.reward_file", "reward_url"]
+    args = build_parser().parse_args(["serve", "--no-auth", "--allow-override", "rl.reward.file", "--allow-override", "reward_url"])
+    assert args.no_auth is True and args.allow_override == ["rl.reward.file", "reward_url"]
 
 
 @pytest.mark.integration

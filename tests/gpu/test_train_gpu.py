@@ -22,7 +22,7 @@ def test_rl_colocated_vllm_on_gpu_with_sleep(project, ray_head):
                "--set", "sft.output_dir=artifacts/sft_gpu_rl", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert sft.returncode == 0, sft.stdout[-3000:]
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_rl/model", "--set", "rl.max_steps=4",
-                "--set", "rl.gpus_per_worker=1", "--set", "rl.engine_sleep=true", "--set", "rl.gpu_memory_utilization=0.2",
+                "--set", "rl.gpus_per_worker=1", "--set", "rl.rollout.engine_sleep=true", "--set", "rl.rollout.gpu_memory_utilization=0.2",
                 "--set", "rl.output_dir=artifacts/rl_gpu", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
     metrics = json.loads((project / "artifacts" / "rl_gpu" / "metrics.json").read_text())
@@ -37,8 +37,9 @@ def test_rl_hybrid_engine_level2_sleep_and_trainer_offload(project, ray_head):
                "--set", "sft.output_dir=artifacts/sft_gpu_hybrid", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert sft.returncode == 0, sft.stdout[-3000:]
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_hybrid/model",
-                "--set", "rl.max_steps=4", "--set", "rl.gpus_per_worker=1", "--set", "rl.engine_sleep=true", "--set", "rl.engine_sleep_level=2",
-                "--set", "rl.offload_trainer=true", "--set", "rl.zero_stage=1", "--set", "rl.gpu_memory_utilization=0.2",
+                "--set", "rl.max_steps=4", "--set", "rl.gpus_per_worker=1", "--set", "rl.rollout.engine_sleep=true",
+                "--set", "rl.rollout.engine_sleep_level=2",
+                "--set", "rl.offload_trainer=true", "--set", "rl.zero_stage=1", "--set", "rl.rollout.gpu_memory_utilization=0.2",
                 "--set", "rl.output_dir=artifacts/rl_gpu_hybrid", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
     metrics = json.loads((project / "artifacts" / "rl_gpu_hybrid" / "metrics.json").read_text())
@@ -55,14 +56,15 @@ def _sft(project, ray_head, out: str, *extra: str):
 def test_rl_separate_layout_every_role_on_the_gpu(project, ray_head):
     """layout=separate on one GPU shared out: trainer 0.4, engine, reference and reward model 0.2
     each -- the reference and the reward model compute on their GPU share (they stayed on the CPU).
-    rl.weight_sync=collective: trainer and engine share the GPU, so the broadcast falls back to gloo."""
+    rl.rollout.weight_sync=collective: trainer and engine share the GPU, so the broadcast falls back to gloo."""
     _sft(project, ray_head, "artifacts/sft_gpu_sep")
     rm = rlhf("stage", "run", "rm", "--params", "none.yaml", "--set", "rm.model_path=artifacts/sft_gpu_sep/model", "--set", "rm.max_steps=10",
               "--set", "rm.gpus_per_worker=1", "--set", "rm.output_dir=artifacts/rm_gpu", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert rm.returncode == 0, rm.stdout[-3000:]
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_sep/model", "--set", "rl.max_steps=3",
-                "--set", "rl.layout=separate", "--set", "rl.gpus_per_worker=0.4", "--set", "rl.rollout_gpus=0.2",
-                "--set", "rl.reward_model=artifacts/rm_gpu/model", "--set", "rl.gpu_memory_utilization=0.1", "--set", "rl.weight_sync=collective",
+                "--set", "rl.rollout.layout=separate", "--set", "rl.gpus_per_worker=0.4", "--set", "rl.rollout.gpus=0.2",
+                "--set", "rl.reward.model=artifacts/rm_gpu/model", "--set", "rl.rollout.gpu_memory_utilization=0.1",
+                "--set", "rl.rollout.weight_sync=collective",
                 "--set", "rl.output_dir=artifacts/rl_gpu_sep", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "broadcasts to 1 engine(s) over gloo" in proc.stdout
@@ -76,8 +78,10 @@ def test_nccl_weight_broadcast_between_two_gpus(project, ray_head):
         pytest.skip("an NCCL weight group needs the trainer and the engine on GPUs of their own")
     _sft(project, ray_head, "artifacts/sft_gpu_nccl")
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_nccl/model", "--set", "rl.max_steps=3",
-                "--set", "rl.layout=separate", "--set", "rl.gpus_per_worker=1", "--set", "rl.rollout_gpus=1", "--set", "rl.weight_sync=collective",
-                "--set", "rl.gpu_memory_utilization=0.2", "--set", "rl.output_dir=artifacts/rl_gpu_nccl", cwd=project, env={"RAY_ADDRESS": ray_head})
+                "--set", "rl.rollout.layout=separate", "--set", "rl.gpus_per_worker=1", "--set", "rl.rollout.gpus=1",
+                "--set", "rl.rollout.weight_sync=collective",
+                "--set", "rl.rollout.gpu_memory_utilization=0.2",
+                "--set", "rl.output_dir=artifacts/rl_gpu_nccl", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "broadcasts to 1 engine(s) over nccl" in proc.stdout
     assert json.loads((project / "artifacts" / "rl_gpu_nccl" / "metrics.json").read_text())["eval/sync_greedy_match"] == 1.0
@@ -89,7 +93,8 @@ def test_lora_rl_and_qlora_sft_on_the_gpu(project, ray_head):
     _sft(project, ray_head, "artifacts/sft_gpu_lora_base")
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_lora_base/model",
                 "--set", "rl.max_steps=3", "--set", "rl.gpus_per_worker=1", "--set", "rl.lora_rank=8", "--set", "rl.lr=1e-3",
-                "--set", "rl.gpu_memory_utilization=0.2", "--set", "rl.output_dir=artifacts/rl_gpu_lora", cwd=project, env={"RAY_ADDRESS": ray_head})
+                "--set", "rl.rollout.gpu_memory_utilization=0.2",
+                "--set", "rl.output_dir=artifacts/rl_gpu_lora", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert json.loads((project / "artifacts" / "rl_gpu_lora" / "metrics.json").read_text())["eval/sync_greedy_match"] == 1.0
     m = _sft(project, ray_head, "artifacts/sft_gpu_qlora", "--set", "sft.lora_rank=8", "--set", "sft.load_in_4bit=true", "--set", "sft.lr=1e-2",
@@ -105,8 +110,8 @@ def test_vllm_tensor_parallel_engine(project, ray_head):
         pytest.skip("tensor parallel needs 2 GPUs")
     _sft(project, ray_head, "artifacts/sft_gpu_tp")
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.model_path=artifacts/sft_gpu_tp/model", "--set", "rl.max_steps=2",
-                "--set", "rl.layout=separate", "--set", "rl.gpus_per_worker=0", "--set", "rl.rollout_gpus=2",
-                "--set", "rl.rollout_tensor_parallel=2", "--set", "rl.gpu_memory_utilization=0.2",
+                "--set", "rl.rollout.layout=separate", "--set", "rl.gpus_per_worker=0", "--set", "rl.rollout.gpus=2",
+                "--set", "rl.rollout.tensor_parallel=2", "--set", "rl.rollout.gpu_memory_utilization=0.2",
                 "--set", "rl.output_dir=artifacts/rl_gpu_tp", cwd=project, env={"RAY_ADDRESS": ray_head})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert json.loads((project / "artifacts" / "rl_gpu_tp" / "metrics.json").read_text())["eval/sync_greedy_match"] == 1.0

@@ -41,7 +41,7 @@ def test_token_file_is_made_0600_in_a_0700_dir_atomically_and_reused(tmp_path):
 
 def test_a_loose_or_missing_token_file_is_said_clearly_without_the_token(tmp_path, caplog):
     path = tmp_path / "tok"
-    with pytest.raises(FileNotFoundError, match=f"reward_token_file {path} does not exist"):
+    with pytest.raises(FileNotFoundError, match=f"rl.reward.token_file {path} does not exist"):
         R.HttpReward("http://127.0.0.1:9/score", token_file=str(path))
     path.write_text("")
     with pytest.raises(ValueError, match="is empty"):
@@ -74,7 +74,7 @@ def test_serve_writes_the_token_file_and_prints_its_path_never_the_token(tmp_pat
     token = (tmp_path / ".rlhf" / "reward-server.token").read_text().strip()
     out = capsys.readouterr().out
     assert seen["token"] == token and len(token) >= 40  # token_urlsafe(32)
-    assert f"rl.reward_token_file={tmp_path / '.rlhf' / 'reward-server.token'}" in out
+    assert f"rl.reward.token_file={tmp_path / '.rlhf' / 'reward-server.token'}" in out
     assert token not in out + caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):

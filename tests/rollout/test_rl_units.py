@@ -45,7 +45,7 @@ def test_grpo_advantages_broadcast_group_normalised_score():
     assert out.per_token("advantages", 4) == [0.0]  # a group of one has no baseline
     verl_style, _ = compute_advantages(samples, "grpo", kl_coef=0.0, kl_in_reward=False, kl_estimator="k3", gamma=1.0, lam=1.0,
                                                whiten_gae=False, reward_clip=None, singleton_group="score")
-    assert verl_style.per_token("advantages", 4) == [0.5]  # rl.singleton_group=score: its raw score, as verl
+    assert verl_style.per_token("advantages", 4) == [0.5]  # rl.objective.singleton_group=score: its raw score, as verl
     assert samples.advantages is None  # a new batch: the input is not mutated
     assert stats["kl"] == 0.0
 
@@ -313,6 +313,7 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
     threshold; a wrong count is an error; nothing becomes 0.0."""
     from rlhf_core.rl.config import Config
     from rlhf_core.rl.sampling import apply_rewards
+    from rlhf_core.rollout.config import RewardConfig
     from rlhf_core.rollout.workers import RewardWorker
 
     def worker(body):
@@ -320,11 +321,11 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
         f.write_text(body)
         return RewardWorker(sources={"reward_file": {"path": str(f)}}, weights={})
 
-    cfg = Config(max_invalid_ratio=0.25)
+    cfg = Config(reward=RewardConfig(max_invalid_ratio=0.25))
     samples = make_batch(_episodes(4))
     scored = worker("def reward(p, r, l, **kw):\n    raise KeyError('oops')\n").score(samples.reward_inputs())
     assert all(math.isnan(x["score"]) and "reward_file raised KeyError" in x["invalid"] for x in scored)
-    with pytest.raises(RuntimeError, match="4 of 4 samples have an invalid reward, above max_invalid_ratio=0.25"):
+    with pytest.raises(RuntimeError, match="4 of 4 samples have an invalid reward, above rl.reward.max_invalid_ratio=0.25"):
         apply_rewards(cfg, samples, scored)
 
     scored = worker("def reward(p, r, l, **kw):\n    return [None, 1, 1, 1]\n").score(samples.reward_inputs())
@@ -342,25 +343,29 @@ def test_reward_worker_failures_become_invalid_then_abort(tmp_path):
 
 def test_reward_sources_are_selected_from_the_registry(tmp_path):
     """`REWARD_SOURCES` is the one table: what a config turns on, with which keywords and weights,
-    and which files a run depends on; every entry's weight and input settings are rl settings and
-    its keywords are its class's parameters."""
+    and which files a run depends on; every entry's weight and input settings are `rl.reward`
+    settings (`RewardConfig` fields) and its keywords are its class's parameters."""
     import dataclasses
     import inspect
 
     from rlhf_core.rl.config import Config
+    from rlhf_core.rollout.config import RewardConfig, RolloutConfig
 
-    fields = {f.name for f in dataclasses.fields(Config)}
+    fields = {f.name for f in dataclasses.fields(RewardConfig)}
     for name, src in R.REWARD_SOURCES.items():
-        assert {src.weight, *src.inputs} - {None} <= fields, name
+        assert src.weight and {src.weight, *src.inputs} <= fields, name
+    assert {src.weight for src in R.REWARD_SOURCES.values()} | {"env_weight"} == {f for f in fields if f.endswith("_weight")}
     (tmp_path / "r.py").write_text("def reward(p, r, l, **kw):\n    return [1.0] * len(r)\n")
-    cfg = Config(reward_file=str(tmp_path / "r.py"), reward_url="http://127.0.0.1:9/score", reward_url_weight=0.5)
+    cfg = Config(reward=RewardConfig(file=str(tmp_path / "r.py"), url="http://127.0.0.1:9/score", url_weight=0.5))
     chosen = R.selected_sources(cfg, pad_token_id=0)
-    assert list(chosen) == ["reward_file", "reward_url"] and chosen["reward_url"]["timeout"] == cfg.reward_url_timeout
+    assert list(chosen) == ["reward_file", "reward_url"] and chosen["reward_url"]["timeout"] == cfg.reward.url_timeout
     for name, kwargs in chosen.items():
         assert set(kwargs) <= set(inspect.signature(R.REWARD_SOURCES[name].cls).parameters), name
-    assert R.source_weights(cfg)["reward_url"] == 0.5 and R.reward_inputs(cfg) == (str(tmp_path / "r.py"),)
+    assert R.source_weights(cfg) == {"reward_file": 1.0, "reward_model": 1.0, "reward_url": 0.5, "env": 1.0}
+    assert R.reward_inputs(cfg) == (str(tmp_path / "r.py"),)
+    assert R.reward_inputs(Config(reward=RewardConfig(model="artifacts/rm/model"))) == ("artifacts/rm/model",)
     assert R.selected_sources(Config(), 0) == {"exact_match": {}}  # nothing configured: the exact match
-    assert R.selected_sources(Config(agent="retry_arithmetic"), 0) == {}  # the environment rewards
+    assert R.selected_sources(Config(rollout=RolloutConfig(agent="retry_arithmetic")), 0) == {}  # the environment rewards
 
 
 def sequence_rm(tiny, name: str):

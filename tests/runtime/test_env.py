@@ -11,6 +11,7 @@ import pytest
 from conftest import JsonHandler
 
 from rlhf_core.config import config_hash, config_secrets, config_to_dict, redact_url, restore_secrets
+from rlhf_core.rollout.config import RewardConfig
 from rlhf_core.runtime import env as E
 from rlhf_core.runtime.jobs import Secrets, forward_env
 from stages.rl import Config
@@ -53,13 +54,14 @@ def test_credentials_in_urls_are_redacted_in_every_file_and_restored_in_the_job(
     assert redact_url(url) == "https://***@rewards.example:8443/score?api_key=***&model=rm-2"
     for plain in ("http://127.0.0.1:8765/score", "artifacts/rm/model", "http://h/score?model=x"):
         assert redact_url(plain) == plain
-    cfg = Config(reward_url=url)
+    cfg = Config(reward=RewardConfig(url=url))
     written = config_to_dict(cfg)  # what config.resolved.json, manifests and `rlhf config show` hold
-    assert SECRET not in json.dumps(written) and written["reward_url"] == redact_url(url)
-    assert config_hash(cfg) == config_hash(Config(reward_url=redact_url(url)))  # no hash of a password either
-    assert Secrets.of(cfg).config == {"reward_url": url} == config_secrets(cfg)  # handed to the job in a 0600 file ...
-    assert restore_secrets(written, config_secrets(cfg))["reward_url"] == url  # ... and put back there
-    assert restore_secrets({**written, "reward_url": "http://other/score"}, config_secrets(cfg))["reward_url"] == "http://other/score"
+    assert SECRET not in json.dumps(written) and written["reward"]["url"] == redact_url(url)  # rl.reward.url: a nested key
+    assert config_hash(cfg) == config_hash(Config(reward=RewardConfig(url=redact_url(url))))  # no hash of a password either
+    assert Secrets.of(cfg).config == {"reward.url": url} == config_secrets(cfg)  # handed to the job in a 0600 file ...
+    assert restore_secrets(written, config_secrets(cfg))["reward"]["url"] == url  # ... and put back there
+    changed = {**written, "reward": {**written["reward"], "url": "http://other/score"}}
+    assert restore_secrets(changed, config_secrets(cfg))["reward"]["url"] == "http://other/score"
     assert Secrets.of(Config()).config == {}
 
 
@@ -71,14 +73,14 @@ def test_manifest_and_stage_main_keep_credentials_out_of_files(tmp_path, monkeyp
 
     url = f"http://user:{SECRET}@127.0.0.1:9/score"
     resolved = tmp_path / "config.resolved.json"
-    resolved.write_text(json.dumps({"stage": "rl", "config": config_to_dict(Config(reward_url=url, output_dir=str(tmp_path / "out")))}))
+    resolved.write_text(json.dumps({"stage": "rl", "config": config_to_dict(Config(output_dir=str(tmp_path / "out"), reward=RewardConfig(url=url)))}))
     seen = {}
-    path = E.write_secrets_file(tmp_path / "secrets", "job-1", {"reward_url": url}, {"RLHF_TEST_TOKEN": SECRET})
+    path = E.write_secrets_file(tmp_path / "secrets", "job-1", {"reward.url": url}, {"RLHF_TEST_TOKEN": SECRET})
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     monkeypatch.setenv(E.SECRETS_FILE, str(path))
     monkeypatch.delenv("RLHF_CONFIG_SHA256", raising=False)
     monkeypatch.delenv("RLHF_TEST_TOKEN", raising=False)
-    entrypoint.stage_main(Config, "rl", lambda cfg: seen.update(url=cfg.reward_url, token=os.environ.get("RLHF_TEST_TOKEN")),
+    entrypoint.stage_main(Config, "rl", lambda cfg: seen.update(url=cfg.reward.url, token=os.environ.get("RLHF_TEST_TOKEN")),
                       ["--config", str(resolved)], needs_ray=False)
     assert seen == {"url": url, "token": SECRET} and SECRET not in resolved.read_text()
     assert not path.exists()  # the job removes its secrets file when it ends
@@ -126,5 +128,5 @@ def test_a_refused_submission_leaves_no_secrets_file(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="401"):
-        jobs.submit(Refusing(), "true", {}, "job-x", {}, Secrets({"reward_url": "http://u:p@h/score"}, {}))
+        jobs.submit(Refusing(), "true", {}, "job-x", {}, Secrets({"reward.url": "http://u:p@h/score"}, {}))
     assert not jobs.secrets_path("job-x").exists() and jobs.secrets_path("job-x").parent.is_dir()

@@ -235,9 +235,10 @@ def test_the_job_stops_when_the_reader_of_the_command_output_dies(project, ray_h
 
 # rl on the vLLM engine, submitted to a cluster (RAY_ADDRESS): the command's guard stops the job
 DIGITS_REWARD = "def reward(prompts, responses, labels, **kw):\n    return [sum(c.isdigit() for c in r) / max(1, len(r)) for r in responses]\n"
-RL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_steps=0", "--set", "rl.prompts_per_step=4",
-      "--set", "rl.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
-      "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=8", "--set", "rl.lr=1e-3", "--set", "rl.engine=vllm"]
+RL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_steps=0", "--set", "rl.rollout.prompts_per_step=4",
+      "--set", "rl.rollout.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.rollout.max_new_tokens=4",
+      "--set", "rl.eval_max_new_tokens=4",
+      "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=8", "--set", "rl.lr=1e-3", "--set", "rl.rollout.engine=vllm"]
 
 
 @pytest.mark.xdist_group("rl_more")
@@ -246,7 +247,7 @@ def test_sigkill_of_the_command_stops_its_rl_job_on_a_cluster_then_resume_is_bit
 
     reward = project / "digits_reward_vllm.py"
     reward.write_text(DIGITS_REWARD)
-    base = [*RL, "--set", f"rl.reward_file={reward}"]
+    base = [*RL, "--set", f"rl.reward.file={reward}"]
     ref, out = project / "artifacts" / "rl_vllm_ref", project / "artifacts" / "rl_vllm_pgkill"
     proc = run_stage(project, ray_head, "rl", *base, "--set", f"rl.output_dir={ref}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -91,9 +91,11 @@ def test_nothing_listens_beyond_loopback_during_real_stage_runs(project, ray_hea
         proc = run_stage(project, ray_head, "dpo", "--set", f"dpo.model_path={sft_model}", *[a.format(s="dpo") for a in two])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
         proc = run_stage(project, ray_head, "rl", *[a.format(s="rl") for a in two], "--set", f"rl.model_path={sft_model}",
-                         "--set", "rl.engine=vllm", "--set", "rl.layout=separate", "--set", "rl.rollout_cpus=0.5", "--set", "rl.cpus_per_worker=0.5",
-                         "--set", "rl.weight_sync=collective", "--set", "rl.prompts_per_step=4", "--set", "rl.n_samples=2",
-                         "--set", "rl.max_new_tokens=4", "--set", "rl.eval_steps=0", "--set", "rl.sync_check_prompts=0", "--set", "rl.pass_k=1")
+                         "--set", "rl.rollout.engine=vllm", "--set", "rl.rollout.layout=separate", "--set", "rl.rollout.cpus=0.5",
+                         "--set", "rl.cpus_per_worker=0.5",
+                         "--set", "rl.rollout.weight_sync=collective", "--set", "rl.rollout.prompts_per_step=4", "--set", "rl.rollout.n_samples=2",
+                         "--set", "rl.rollout.max_new_tokens=4", "--set", "rl.eval_steps=0", "--set", "rl.sync_check_prompts=0",
+                         "--set", "rl.pass_k=1")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "over gloo" in proc.stdout  # the weight-sync group was formed
     assert len(seen.seen) >= 6, seen.seen  # stores, gloo pairs, workers: the sampler did see them

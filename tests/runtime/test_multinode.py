@@ -48,10 +48,10 @@ def test_sft_ranks_on_two_nodes_same_loss_curve(project, two_nodes, sft_loss_cur
 @pytest.mark.xdist_group("sft_faults")
 def test_rl_rollout_engine_on_the_other_node(project, two_nodes, sft_reference):
     out = "artifacts/rl_two_nodes"
-    proc = run_stage(project, two_nodes, "rl", "--set", "rl.max_steps=1", "--set", "rl.prompts_per_step=4", "--set", "rl.n_samples=4",
-                     "--set", "rl.global_batch_size=16", "--set", "rl.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
-                     "--set", "rl.pass_k=2", "--set", "rl.sync_check_prompts=8", "--set", "rl.layout=separate",
-                     "--set", "rl.rollout_resource=nodeb", "--set", f"rl.output_dir={out}",
+    proc = run_stage(project, two_nodes, "rl", "--set", "rl.max_steps=1", "--set", "rl.rollout.prompts_per_step=4", "--set", "rl.rollout.n_samples=4",
+                     "--set", "rl.global_batch_size=16", "--set", "rl.rollout.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
+                     "--set", "rl.pass_k=2", "--set", "rl.sync_check_prompts=8", "--set", "rl.rollout.layout=separate",
+                     "--set", "rl.rollout.resource=nodeb", "--set", f"rl.output_dir={out}",
                      # and the policy under ZeRO-3 + offload, accumulating over micro-batches of 4
                      "--set", "rl.zero_stage=3", "--set", "rl.offload=all", "--set", "rl.micro_batch_size=4")
     text = proc.stdout + proc.stderr

@@ -106,7 +106,7 @@ def test_lora_rlvr_lifts_gold_accuracy(chain_project, ray_head, sft):
 
 def test_rlhf_on_the_reward_model_lifts_gold_accuracy(chain_project, ray_head, sft, reward_model):
     m = stage(chain_project, ray_head, "rl", "artifacts/learn_rlhf", "--set", f"rl.model_path={sft[0]}", "--set", "rl.algo=ppo",
-              "--set", f"rl.reward_model={reward_model[0]}", *RL)
+              "--set", f"rl.reward.model={reward_model[0]}", *RL)
     assert m["eval/accuracy"] >= m["eval/accuracy_init"] + 0.08, m  # 0.625 -> 0.79
     # optimising the reward model raised the gold (verifiable) reward of the samples with it
     rows = history(chain_project, "artifacts/learn_rlhf")

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.integration
 # the 8-step sft model of the test project rarely answers right, so the tests reward a shape
 # (the share of digit characters): it varies within every group, so every step really updates
 DIGITS_REWARD = "def reward(prompts, responses, labels, **kw):\n    return [sum(c.isdigit() for c in r) / max(1, len(r)) for r in responses]\n"
-SMALL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_steps=0", "--set", "rl.prompts_per_step=4",
-         "--set", "rl.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
+SMALL = ["--set", "rl.max_steps=4", "--set", "rl.save_steps=2", "--set", "rl.eval_steps=0", "--set", "rl.rollout.prompts_per_step=4",
+         "--set", "rl.rollout.n_samples=4", "--set", "rl.global_batch_size=8", "--set", "rl.rollout.max_new_tokens=4",
+         "--set", "rl.eval_max_new_tokens=4",
          "--set", "rl.pass_k=2", "--set", "rl.sync_check_prompts=16", "--set", "rl.lr=1e-3"]
 
 
@@ -39,8 +40,9 @@ def grpo_reference(project, ray_head, sft_reference):
     rf = reward_file(project, "digits_reward.py", DIGITS_REWARD)
     # exercises the adaptive KL controller (its state must survive a resume), TIS and clip-higher,
     # at a sampling temperature != 1 (engine and trainer log-probs must both be tempered)
-    args = [*SMALL, "--set", "rl.engine=hf", "--set", f"rl.reward_file={rf}", "--set", "rl.adaptive_kl=true", "--set", "rl.kl_target=0.01",
-            "--set", "rl.is_correction=tis", "--set", "rl.clip_high=0.28", "--set", "rl.temperature=0.8"]
+    args = [*SMALL, "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.objective.adaptive_kl=true",
+            "--set", "rl.objective.kl_target=0.01",
+            "--set", "rl.objective.is_correction=tis", "--set", "rl.objective.clip_high=0.28", "--set", "rl.rollout.temperature=0.8"]
     proc = run_stage(project, ray_head, "rl", *args, "--set", "rl.output_dir=artifacts/rl_ref")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     (project / "rl_ref.log").write_text(proc.stdout)
@@ -98,11 +100,11 @@ def test_rl_sigkill_then_resume_is_bit_identical(project, ray_head, grpo_referen
 
 @pytest.mark.xdist_group("rl_ref")
 def test_collective_weight_sync_gives_the_same_run(project, ray_head, grpo_reference):
-    """rl.weight_sync=collective (trainer rank 0 broadcasts over a gloo group on CPU; NCCL on GPUs)
+    """rl.rollout.weight_sync=collective (trainer rank 0 broadcasts over a gloo group on CPU; NCCL on GPUs)
     moves the same weights as the object store: every step samples the same tokens, the same model."""
     ref, args = grpo_reference
     out = project / "artifacts" / "rl_collective"
-    proc = run_stage(project, ray_head, "rl", *args, "--set", "rl.weight_sync=collective", "--set", f"rl.output_dir={out}")
+    proc = run_stage(project, ray_head, "rl", *args, "--set", "rl.rollout.weight_sync=collective", "--set", f"rl.output_dir={out}")
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "weight sync: trainer rank 0 broadcasts to 1 engine(s) over gloo" in proc.stdout
     for step in (1, 2, 3, 4):  # steps 2-4 sample with synced weights
@@ -116,8 +118,9 @@ def test_collective_weight_sync_gives_the_same_run(project, ray_head, grpo_refer
 def test_ppo_multi_turn_agent_on_vllm(project, ray_head, sft_reference):
     """PPO (critic + GAE) with the multi-turn retry environment on the vLLM engine."""
     out = project / "artifacts" / "rl_ppo"
-    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.max_steps=3", "--set", "rl.algo=ppo", "--set", "rl.agent=retry_arithmetic",
-                     "--set", f"rl.output_dir={out}", "--set", "rl.max_len=48", "--set", "rl.max_new_tokens=6", "--set", "rl.temperature=0.7")
+    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.max_steps=3", "--set", "rl.algo=ppo", "--set", "rl.rollout.agent=retry_arithmetic",
+                     "--set", f"rl.output_dir={out}", "--set", "rl.max_len=48", "--set", "rl.rollout.max_new_tokens=6",
+                     "--set", "rl.rollout.temperature=0.7")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval/sync_greedy_match"] == 1.0  # vLLM after in-place syncs == the trainer
@@ -147,10 +150,10 @@ def test_reward_failures_are_counted_or_fatal_never_zero(project, ray_head, sft_
                         "    return [math.nan if i % 8 == 0 else 1.0 * (i % 2) for i in range(len(responses))]\n")
     out = project / "artifacts" / "rl_flaky"
     # separate placement: rollout, reference and reward actors on their own CPU slices
-    base = [*SMALL, "--set", "rl.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0",
-            "--set", "rl.layout=separate", "--set", "rl.rollout_cpus=0.5"]
-    proc = run_stage(project, ray_head, "rl", *base, "--set", f"rl.reward_file={flaky}", "--set", f"rl.output_dir={out}",
-                     "--set", "rl.max_invalid_ratio=0.2")
+    base = [*SMALL, "--set", "rl.rollout.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0",
+            "--set", "rl.rollout.layout=separate", "--set", "rl.rollout.cpus=0.5"]
+    proc = run_stage(project, ray_head, "rl", *base, "--set", f"rl.reward.file={flaky}", "--set", f"rl.output_dir={out}",
+                     "--set", "rl.reward.max_invalid_ratio=0.2")
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = table(out, 1)
     bad = [r for r in rows if r["filter"] == "invalid"]
@@ -161,22 +164,28 @@ def test_reward_failures_are_counted_or_fatal_never_zero(project, ray_head, sft_
 
 @pytest.mark.xdist_group("rl_more")
 def test_hung_reward_call_times_out_instead_of_hanging(project, ray_head, sft_reference):
-    """RLHF_FAULT=hang:reward wedges the reward actor's call for good: rl.rollout_timeout turns it
+    """RLHF_FAULT=hang:reward wedges the reward actor's call for good: rl.rollout.timeout turns it
     into an error naming the call, the job fails (the actors die with it) and writes no checkpoint.
     Rollout, weight sync and engine calls go through the same bounded `Roles.get`."""
     out = project / "artifacts" / "rl_hang"
-    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1",
-                     "--set", "rl.sync_check_prompts=0", "--set", "rl.rollout_timeout=30", "--set", f"rl.output_dir={out}",
+    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.rollout.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1",
+                     "--set", "rl.sync_check_prompts=0", "--set", "rl.rollout.timeout=30", "--set", f"rl.output_dir={out}",
                      env={"RLHF_FAULT": "hang:reward"})
     assert proc.returncode != 0
-    assert "reward took longer than rollout_timeout=30.0s" in proc.stdout, proc.stdout[-4000:]
+    assert "reward took longer than rl.rollout.timeout=30.0s" in proc.stdout, proc.stdout[-4000:]
     assert not (out / "model").exists() and not (out / "checkpoints" / "latest").exists()
 
 
 @pytest.mark.xdist_group("rl_more")
 def test_rl_config_errors(project):
+    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.rollout.n_samples=1", cwd=project)
+    assert proc.returncode == 2 and "needs rl.rollout.n_samples >= 2" in proc.stderr
+    # the old flat key still reaches its section (with a warning naming the new one)
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.n_samples=1", cwd=project)
-    assert proc.returncode == 2 and "needs n_samples >= 2" in proc.stderr
+    assert proc.returncode == 2 and "needs rl.rollout.n_samples >= 2" in proc.stderr
+    assert "rl.n_samples is now rl.rollout.n_samples" in proc.stdout + proc.stderr
+    proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.n_samples=4", "--set", "rl.rollout.n_samples=4", cwd=project)
+    assert proc.returncode == 2 and "rl.n_samples and rl.rollout.n_samples are both given" in proc.stderr
     proc = rlhf("stage", "run", "rl", "--params", "none.yaml", "--set", "rl.algo=ppo2", cwd=project)
     assert proc.returncode == 2 and "reinforce_pp_baseline" in proc.stderr
 
@@ -189,8 +198,10 @@ def test_burst_of_10x_the_default_batch_keeps_memory_bounded(project, ray_head, 
     scale with it (rl has no gradient accumulation), not with the step's sample count."""
     rf = reward_file(project, "digits_reward.py", DIGITS_REWARD)
     out = project / "artifacts" / "rl_burst"
-    proc = run_stage(project, ray_head, "rl", "--set", "rl.max_steps=1", "--set", "rl.prompts_per_step=160", "--set", "rl.n_samples=8",
-                     "--set", "rl.engine=hf", "--set", f"rl.reward_file={rf}", "--set", "rl.max_new_tokens=4", "--set", "rl.eval_max_new_tokens=4",
+    proc = run_stage(project, ray_head, "rl", "--set", "rl.max_steps=1", "--set", "rl.rollout.prompts_per_step=160",
+                     "--set", "rl.rollout.n_samples=8",
+                     "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.rollout.max_new_tokens=4",
+                     "--set", "rl.eval_max_new_tokens=4",
                      "--set", "rl.pass_k=1", "--set", "rl.sync_check_prompts=0", "--set", "rl.global_batch_size=8",
                      "--set", f"rl.output_dir={out}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -229,9 +240,9 @@ def test_gspo_with_dynamic_sampling_fills_every_batch_from_an_authenticated_rewa
     out = project / "artifacts" / "rl_gspo_ds"
     try:
         url = f"http://rl:{SECRET}@127.0.0.1:{srv.server_address[1]}/score"
-        proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.engine=hf", "--set", "rl.max_steps=2", "--set", "rl.pass_k=1",
-                         "--set", "rl.sync_check_prompts=0", "--set", "rl.loss_type=gspo", "--set", "rl.dynamic_sampling=true",
-                         "--set", "rl.dynamic_sampling_rounds=8", "--set", f"rl.reward_url={url}", "--set", f"rl.output_dir={out}")
+        proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.rollout.engine=hf", "--set", "rl.max_steps=2", "--set", "rl.pass_k=1",
+                         "--set", "rl.sync_check_prompts=0", "--set", "rl.objective.loss_type=gspo", "--set", "rl.objective.dynamic_sampling=true",
+                         "--set", "rl.objective.dynamic_sampling_rounds=8", "--set", f"rl.reward.url={url}", "--set", f"rl.output_dir={out}")
     finally:
         srv.shutdown()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -247,20 +258,20 @@ def test_gspo_with_dynamic_sampling_fills_every_batch_from_an_authenticated_rewa
     assert any(r["filter"] == "zero_variance_group" for step in (1, 2) for r in table(out, step))
     leaked = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaked == [] and SECRET not in proc.stdout + proc.stderr
-    assert json.loads((out / "config.resolved.json").read_text())["config"]["reward_url"].startswith("http://***@127.0.0.1:")
+    assert json.loads((out / "config.resolved.json").read_text())["config"]["reward"]["url"].startswith("http://***@127.0.0.1:")
 
 
 @pytest.mark.xdist_group("rl_more")
 @pytest.mark.parametrize("fault, message", [
-    ("hang:train_step", "policy train step 1 took longer than rollout_timeout=30s"),
+    ("hang:train_step", "policy train step 1 took longer than rl.rollout.timeout=30s"),
     ("kill_worker_at_step:1", "a training worker died during step 1: the stage stops"),
 ])
 def test_a_hung_or_killed_policy_worker_fails_the_step_with_a_clear_error(project, ray_head, sft_reference, fault, message):
-    """The policy's train step is bounded by rl.rollout_timeout like every other call (it waited
+    """The policy's train step is bounded by rl.rollout.timeout like every other call (it waited
     forever), and `kill_worker_at_step` now fires in rl (the update never passed its step)."""
     out = project / "artifacts" / f"rl_{fault.split(':')[0]}"
-    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1",
-                     "--set", "rl.sync_check_prompts=0", "--set", "rl.rollout_timeout=30", "--set", f"rl.output_dir={out}",
+    proc = run_stage(project, ray_head, "rl", *SMALL, "--set", "rl.rollout.engine=hf", "--set", "rl.max_steps=1", "--set", "rl.pass_k=1",
+                     "--set", "rl.sync_check_prompts=0", "--set", "rl.rollout.timeout=30", "--set", f"rl.output_dir={out}",
                      env={"RLHF_FAULT": fault})
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]

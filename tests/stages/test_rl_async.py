@@ -1,4 +1,4 @@
-"""rl.mode=async as a real Ray job: rounds generated ahead by the rollout actor (their own CPU
+"""rl.rollout.mode=async as a real Ray job: rounds generated ahead by the rollout actor (their own CPU
 slice, layout=separate) while the trainer updates; staleness bounded by the schedule; a SIGKILL
 mid-run resumes to the same weights and samples (the rounds in flight are in the checkpoint)."""
 import json
@@ -15,8 +15,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("rl_more")]
 @pytest.fixture(scope="module")
 def async_args(project, sft_reference):
     rf = reward_file(project, "digits_reward_async.py", DIGITS_REWARD)
-    return [*SMALL, "--set", "rl.engine=hf", "--set", f"rl.reward_file={rf}", "--set", "rl.mode=async", "--set", "rl.max_staleness=1",
-            "--set", "rl.layout=separate", "--set", "rl.rollout_cpus=0.5", "--set", "rl.is_correction=tis", "--set", "rl.pass_k=1"]
+    return [*SMALL, "--set", "rl.rollout.engine=hf", "--set", f"rl.reward.file={rf}", "--set", "rl.rollout.mode=async",
+            "--set", "rl.rollout.max_staleness=1",
+            "--set", "rl.rollout.layout=separate", "--set", "rl.rollout.cpus=0.5", "--set", "rl.objective.is_correction=tis", "--set", "rl.pass_k=1"]
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +63,11 @@ def test_async_sigkill_then_resume_replays_the_same_rounds(project, ray_head, as
 
 
 def test_partial_rollouts_continue_episodes_under_the_new_weights(project, ray_head, async_args):
-    """rl.partial_rollout_tokens=2 of 4: a weight sync that arrives mid-round (each piece is
+    """rl.rollout.partial_rollout_tokens=2 of 4: a weight sync that arrives mid-round (each piece is
     slowed to 1.5 s, longer than a training step here) is applied between two pieces; the
     episode's later tokens carry the new version, its `policy_version` is the oldest."""
     out = project / "artifacts" / "rl_partial"
-    proc = run_stage(project, ray_head, "rl", *async_args, "--set", "rl.partial_rollout_tokens=2", "--set", "rl.max_steps=3",
+    proc = run_stage(project, ray_head, "rl", *async_args, "--set", "rl.rollout.partial_rollout_tokens=2", "--set", "rl.max_steps=3",
                      "--set", "rl.save_steps=3", "--set", f"rl.output_dir={out}", env={"RLHF_FAULT": "slow_pieces:1.5"})
     assert proc.returncode == 0, proc.stdout[-4000:]
     spanning = [r for s in (2, 3) for r in table(out, s) if len(set(r["token_versions"])) > 1]

@@ -19,10 +19,10 @@ VISION = ["--set", "prepare.modality=vision", "--set", "prepare.shapes.num_train
           "--set", "prepare.shapes.num_eval=32"]
 SFT = ["--set", "sft.model_path=artifacts/base", "--set", "sft.max_steps=6", "--set", "sft.save_steps=6", "--set", "sft.global_batch_size=16",
        "--set", "sft.lr=3e-3"]
-RL = ["--set", "rl.model_path=artifacts/sft/model", "--set", "rl.engine=hf", "--set", "rl.algo=grpo", "--set", "rl.max_steps=3",
-      "--set", "rl.save_steps=1", "--set", "rl.eval_steps=0", "--set", "rl.prompts_per_step=4", "--set", "rl.n_samples=4",
-      "--set", "rl.global_batch_size=16", "--set", "rl.max_new_tokens=3", "--set", "rl.eval_max_new_tokens=3", "--set", "rl.pass_k=2",
-      "--set", "rl.sync_check_prompts=32", "--set", "rl.lr=1e-3", "--set", "rl.temperature=1.5"]
+RL = ["--set", "rl.model_path=artifacts/sft/model", "--set", "rl.rollout.engine=hf", "--set", "rl.algo=grpo", "--set", "rl.max_steps=3",
+      "--set", "rl.save_steps=1", "--set", "rl.eval_steps=0", "--set", "rl.rollout.prompts_per_step=4", "--set", "rl.rollout.n_samples=4",
+      "--set", "rl.global_batch_size=16", "--set", "rl.rollout.max_new_tokens=3", "--set", "rl.eval_max_new_tokens=3", "--set", "rl.pass_k=2",
+      "--set", "rl.sync_check_prompts=32", "--set", "rl.lr=1e-3", "--set", "rl.rollout.temperature=1.5"]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,8 @@ def test_rl_with_image_feedback_from_the_environment(vision_project, ray_head):
     """agent=retry_counting through the stage: a wrong count gets the picture back with the objects
     outlined; the rollouts hold both pictures (the feedback one inline) and its tokens are masked."""
     out = vision_project / "artifacts" / "rl_feedback"
-    args = [*RL, "--set", "rl.agent=retry_counting", "--set", "rl.max_steps=2", "--set", "rl.save_steps=2", "--set", "rl.pass_k=1",
-            "--set", "rl.max_new_tokens=2"]
+    args = [*RL, "--set", "rl.rollout.agent=retry_counting", "--set", "rl.max_steps=2", "--set", "rl.save_steps=2", "--set", "rl.pass_k=1",
+            "--set", "rl.rollout.max_new_tokens=2"]
     proc = run_stage(vision_project, ray_head, "rl", *args, "--set", f"rl.output_dir={out}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     rows = [r for step in (1, 2) for r in pq.read_table(out / "rollouts" / f"step_{step:06d}.parquet").to_pylist()]
