@@ -27,9 +27,8 @@ from rlhf_core.rl.step import rl_step_once
 from rlhf_core.rollout import parquet as rollout_io
 from rlhf_core.rollout.producer import RolloutProducer
 from rlhf_core.rollout.rewards import reward_inputs
-from rlhf_core.runtime import faults
 from rlhf_core.training import entrypoint, inputs, results
-from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, save_checkpoint, start_or_resume
+from rlhf_core.training.chassis import Driver, NanGuard, RunState, Start, StepLog, final_metrics, run_steps, start_or_resume
 from rlhf_core.training.loop import take
 from rlhf_core.training.worker_group import save_final_model
 
@@ -86,28 +85,29 @@ def run(cfg: Config) -> dict:
              ", ".join(f"{k}={v}" for k, v in cfg.objective.policy_loss_settings().items()), ro.temperature, is_correction(cfg))
 
     steplog = StepLog(out_dir, "rl", cfg.max_steps, state.step, prefix="rl", cfg=cfg, run_id=state.resume_key)
-    cadence, nan_guard = Cadence.of(cfg), NanGuard(cfg.max_nan_steps, "RL steps", "Lower rl.lr or check the rewards.")
-    while state.step < cfg.max_steps:
+    nan_guard = NanGuard(cfg.max_nan_steps, "RL steps", "Lower rl.lr or check the rewards.")
+
+    def step() -> dict:
         row, records = rl_step_once(roles, cfg, obj, producer, state, nan_guard)
-        step = state.step
-        rollout_io.write_step(rollout_dir, step, records)
-        steplog.write(row)
-        if cadence.log(step):
-            log.info("step %d/%d reward %.3f (gold %.3f) kl %.4f loss %.4f len %.1f | rollout %.1fs update %.1fs sync %.2fs | ETA %.0fs",
-                     step, cfg.max_steps, row["reward_mean"], row.get("train/reward_gold", float("nan")), row.get("kl", 0.0),
-                     row.get("train/loss", float("nan")), row["response_length"], row["rollout_s"], row.get("update_s", 0.0), row["sync_s"],
-                     steplog.eta(step))
-        if cadence.eval(step):
-            producer.check_syncs()
-            evaluation(state, steplog)
-        if cadence.save(step):
-            save_checkpoint(roles.trainers(), start.ckpt_dir, state, cfg.keep_checkpoints,
-                            extra=save_buffer(producer) if ro.mode == "async" else None)
-        faults.sigkill_after(step)
+        rollout_io.write_step(rollout_dir, state.step, records)
+        return row
+
+    def evaluate(at: int) -> None:
+        producer.check_syncs()
+        evaluation(state, steplog)
+
+    run_steps(Driver(step=step, line=log_line, evaluate=evaluate, trainers=roles.trainers(),
+                     extra=lambda: save_buffer(producer) if ro.mode == "async" else None), cfg, state, steplog, start.ckpt_dir)
     producer.check_syncs()
     metrics = evaluation(state, steplog)
     steplog.close()
     return finish(roles, cfg, evaluation.saver, out_dir, state, metrics, steplog, inputs.image_records(rows))
+
+
+def log_line(row: dict) -> str:
+    return (f"reward {row['reward_mean']:.3f} (gold {row.get('train/reward_gold', float('nan')):.3f}) kl {row.get('kl', 0.0):.4f} "
+            f"loss {row.get('train/loss', float('nan')):.4f} len {row['response_length']:.1f} | rollout {row['rollout_s']:.1f}s "
+            f"update {row.get('update_s', 0.0):.1f}s sync {row['sync_s']:.2f}s")
 
 
 ASYNC_BUFFER = "rollout_buffer.pt"

@@ -20,7 +20,7 @@ from typing import Callable
 from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import input_record
 from rlhf_core.config import config_hash
-from rlhf_core.runtime import stage_lock
+from rlhf_core.runtime import faults, stage_lock
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.config import TrainConfig
 
@@ -224,6 +224,37 @@ class Cadence:
 
     def save(self, step: int) -> bool:
         return step % self.save_steps == 0 or step == self.max_steps
+
+
+@dataclass
+class Driver:
+    """What a stage's run plugs into `run_steps`, the one loop every stage has: `step()` makes one
+    optimizer step, advances `state` and returns the history row; `line(row)` is the log line;
+    `evaluate(step)` runs and records the mid-run eval; `trainers` are the (worker group, subdir)
+    pairs a checkpoint holds; `extra()` what a checkpoint adds besides them (rl async: its
+    rollout buffer), if anything."""
+    step: Callable[[], dict]
+    line: Callable[[dict], str]
+    evaluate: Callable[[int], None]
+    trainers: list[tuple[object, str]]
+    extra: Callable[[], Callable[[Path], None] | None] = lambda: None
+
+
+def run_steps(driver: Driver, cfg: TrainConfig, state: RunState, steplog: "StepLog", ckpt_dir: Path) -> None:
+    """Steps to `cfg.max_steps` from `state`: each step's row to the history, then on its cadence a
+    log line, an eval and a checkpoint, then the injected fault if one is asked for (tests)."""
+    cadence = Cadence.of(cfg)
+    while state.step < cfg.max_steps:
+        row = driver.step()
+        step = state.step
+        steplog.write(row)
+        if cadence.log(step):
+            log.info("step %d/%d %s | ETA %.0fs", step, cfg.max_steps, driver.line(row), steplog.eta(step))
+        if cadence.eval(step):
+            driver.evaluate(step)
+        if cadence.save(step):
+            save_checkpoint(driver.trainers, ckpt_dir, state, cfg.keep_checkpoints, extra=driver.extra())
+        faults.sigkill_after(step)
 
 
 class NanGuard:

@@ -15,8 +15,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_core.runtime import faults
-from rlhf_core.training.chassis import Cadence, NanGuard, Start, StepLog, final_metrics, reduce_ranks, save_checkpoint, start_or_resume
+from rlhf_core.training.chassis import Driver, NanGuard, Start, StepLog, final_metrics, reduce_ranks, run_steps, start_or_resume
 from rlhf_core.training.config import TrainConfig
 from rlhf_core.training.worker_group import WorkerGroup
 
@@ -76,25 +75,21 @@ def train(spec: StageSpec, cfg: TrainConfig, out_dir: Path) -> tuple[WorkerGroup
         log.info("before training: %s", state.init_metrics)
 
     steplog = StepLog(out_dir, spec.name, cfg.max_steps, state.step, prefix="train", cfg=cfg, run_id=state.resume_key)
-    cadence, nan_guard = Cadence.of(cfg), NanGuard(cfg.max_nan_steps, "steps", f"Lower {spec.name}.lr or check the data.")
+    nan_guard = NanGuard(cfg.max_nan_steps, "steps", f"Lower {spec.name}.lr or check the data.")
     tokens = 0
-    while state.step < cfg.max_steps:
+
+    def step() -> dict:
+        nonlocal tokens
         batch = [spec.examples[i] for i in take(len(spec.examples), cfg.seed, state.consumed, cfg.global_batch_size)]
         results = group.train_step(batch, spec.collate, spec.loss_fn, spec.counts(batch), step=state.step + 1)
         state.step, state.consumed = state.step + 1, state.consumed + len(batch)
-        step = state.step
-        nan_guard.update(any(r["skipped"] for r in results), state, step)
+        nan_guard.update(any(r["skipped"] for r in results), state, state.step)
         tokens += sum(e.get("num_tokens") or len(e["input_ids"]) for e in batch)
-        row = {"step": step, **reduce_ranks(results)}  # history: train/loss, train/lr, ...
-        steplog.write(row)
-        if cadence.log(step):
-            log.info("step %d/%d loss %.4f lr %.2e | %.0f tok/s | ETA %.0fs", step, cfg.max_steps, row["loss"], row.get("lr", 0),
-                     tokens / max(steplog.elapsed(), 1e-9), steplog.eta(step))
-        if cadence.eval(step):
-            steplog.scalars(spec.evaluate(group), step)
-        if cadence.save(step):
-            save_checkpoint([(group, "")], start.ckpt_dir, state, cfg.keep_checkpoints)
-        faults.sigkill_after(step)
+        return {"step": state.step, **reduce_ranks(results)}  # history: train/loss, train/lr, ...
+
+    line = lambda row: f"loss {row['loss']:.4f} lr {row.get('lr', 0):.2e} | {tokens / max(steplog.elapsed(), 1e-9):.0f} tok/s"  # noqa: E731
+    run_steps(Driver(step=step, line=line, evaluate=lambda at: steplog.scalars(spec.evaluate(group), at), trainers=[(group, "")]),
+              cfg, state, steplog, start.ckpt_dir)
     metrics = spec.evaluate(group)
     steplog.scalars(metrics, state.step)
     steplog.close()

@@ -3,12 +3,24 @@ what each clears), the step log, the NaN guard, the cadence.  Real files, no Ray
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
 from rlhf_core.runtime import stage_lock
 from rlhf_core.training import checkpoint as ckpt
-from rlhf_core.training.chassis import Cadence, NanGuard, RunState, Start, StepLog, final_metrics, reduce_ranks, start_or_resume
+from rlhf_core.training.chassis import (
+    Cadence,
+    Driver,
+    NanGuard,
+    RunState,
+    Start,
+    StepLog,
+    final_metrics,
+    reduce_ranks,
+    run_steps,
+    start_or_resume,
+)
 from rlhf_core.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
@@ -125,3 +137,37 @@ def test_cadence_logs_evaluates_and_saves_on_schedule_and_at_the_end():
     assert [s for s in steps if c.eval(s)] == [3, 6]  # the final evaluation follows the loop
     assert [s for s in steps if c.save(s)] == [5, 7]
     assert not any(Cadence.of(TrainConfig(max_steps=7, eval_steps=0)).eval(s) for s in steps)
+
+
+def test_run_steps_is_every_stages_loop_on_its_cadence(out):
+    """The one loop: each step's row in the history, eval and checkpoint on the cadence (CFG: eval
+    every 3 but not at the end, save every 2 and at the end), the checkpoint holding the trainers'
+    subdirs and what `extra` writes; a resumed state continues from its step."""
+    calls = []
+
+    class Group:  # a worker group's interface: every rank saves into the checkpoint dir
+        def call(self, method, *args):
+            if method == "save_checkpoint":
+                Path(args[0]).mkdir(parents=True, exist_ok=True)
+                (Path(args[0]) / "weights").write_text("w")
+            return [True]
+
+    start = Start.plan(CFG, "stage", out, "data", ())
+    state, _ = start_or_resume(start, lambda p: None)
+    steplog = StepLog(out, "stage", CFG.max_steps, state.step, prefix="train")
+
+    def step():
+        state.step += 1
+        calls.append(("step", state.step))
+        return {"step": state.step, "loss": 1.0 / state.step}
+
+    extra = lambda: (lambda path: (path / "buffer").write_text("b"))  # noqa: E731
+    run_steps(Driver(step=step, line=lambda row: f"loss {row['loss']}", evaluate=lambda at: calls.append(("eval", at)),
+                     trainers=[(Group(), "policy")], extra=extra), CFG, state, steplog, start.ckpt_dir)
+    steplog.close()
+    assert [c for c in calls if c[0] == "eval"] == [("eval", 3)]  # not at 6: the final eval follows the loop
+    assert [json.loads(line)["step"] for line in (out / "train_history.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    kept = sorted(p.name for p in start.ckpt_dir.iterdir() if p.is_dir())
+    assert kept and all((start.ckpt_dir / k / "policy" / "weights").exists() and (start.ckpt_dir / k / "buffer").exists() for k in kept)
+    assert (start.ckpt_dir / "latest").read_text() == ckpt.step_name(6)
+    assert json.loads((start.ckpt_dir / ckpt.step_name(6) / "state.json").read_text())["step"] == 6
