@@ -53,6 +53,11 @@ def config_with_field(field: str) -> list[str]:
     return out
 
 
+def class_file(name: str) -> list[str]:
+    """Repository paths of the modules that define class `name` at their top level."""
+    return [str(p.relative_to(ROOT)) for p in SOURCES if any(isinstance(n, ast.ClassDef) and n.name == name for n in ast.parse(p.read_text()).body)]
+
+
 CASES = {
     # what a new algorithm extends: the recipe table, the parts it is built of, the rl Config's choice
     "an algorithm": lambda: {*defines("ALGO_RECIPES"), *defines("ESTIMATORS"), *defines("SCORE_BASELINES"),
@@ -61,6 +66,8 @@ CASES = {
     "a stage": lambda: {*defines("STAGES"), "dvc.yaml", "params.yaml", "stages/NAME.py"},
     # a new engine: the engine table and the choice in rl's rollout section (RolloutConfig)
     "a rollout engine": lambda: {*defines("ENGINES"), *config_with_field("engine")},
+    # a new reward source: the source table and the section its settings live in
+    "a reward source": lambda: {*defines("REWARD_SOURCES"), *class_file("RewardConfig")},
 }
 
 
