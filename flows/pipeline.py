@@ -29,6 +29,7 @@ from prefect.states import Completed, State
 from flows import promotion, report
 from flows.overrides import allowed_from_env, check_overrides, check_repo
 from rlhf_core import atomic, registry
+from rlhf_core.runtime.cluster import shared_head
 
 
 class StageFailed(RuntimeError):
@@ -247,7 +248,6 @@ def alignment_pipeline(stages: list[str] | None = None, overrides: list[str] | N
     from_deployment = bool(deployment.id)
     check_repo(root, from_deployment)  # before anything is read or written (the lock file included)
     check_overrides(overrides, root, from_deployment, allowed_from_env())
-    from rlhf_core.runtime.cluster import shared_head
 
     # the lock comes first: a second run is refused before it reads (or rewrites) anything
     with repo_lock(root):

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from rlhf_core import atomic, registry
+from rlhf_core.artifacts.lineage import render
 
 CURVES = ("train/loss", "train/reward_gold", "train/reward_proxy", "rl/kl", "rl/response_length")
 """History tags drawn per stage where it logs them (rl: gold vs proxy reward, the over-optimisation pair)."""
@@ -82,8 +83,6 @@ def champion_section(repo: Path) -> str:
     pointer = home / "champion.json"
     if not pointer.exists():
         return "<section id=\"champion\"><h2>champion</h2><p>none promoted yet</p></section>"
-    from rlhf_core.artifacts.lineage import render
-
     champion = json.loads(pointer.read_text())
     decisions = (home / "decisions.jsonl").read_text().splitlines()[-5:] if (home / "decisions.jsonl").exists() else []
     try:

@@ -29,11 +29,13 @@ import urllib.request
 from pathlib import Path
 
 from flows.overrides import ALLOW_ENV, REPO_ENV
+from rlhf_core.atomic import private_dir, secret_file
 
 log = logging.getLogger("rlhf.serve")
 
 
 def deployments(repo: str, cron: str = "0 2 * * *"):
+    # heavy: Prefect (seconds), which reads its settings when imported: only once start_local has set PREFECT_API_URL
     from flows.pipeline import alignment_pipeline
 
     params = {"repo": repo}
@@ -48,8 +50,6 @@ def deployments(repo: str, cron: str = "0 2 * * *"):
 def api_auth(repo: str | Path) -> tuple[str, Path]:
     """(auth string, its file): REPO/.prefect/api-auth, made at the first call (`rlhf:<token>`, mode
     0600, directory 0700), reused after."""
-    from rlhf_core.atomic import private_dir, secret_file
-
     path = private_dir(Path(repo) / ".prefect") / "api-auth"  # 0700 even if it existed: the server's database lives there
     auth, _ = secret_file(path, lambda: f"rlhf:{secrets.token_urlsafe(32)}", "Prefect API auth file")
     return auth, path

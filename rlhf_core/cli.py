@@ -27,9 +27,11 @@ import os
 import signal
 import sys
 
+from flows.overrides import check_overrides
 from rlhf_core import registry
 from rlhf_core.config import ConfigError, config_hash, config_to_dict, load_config
 from rlhf_core.data.io import DataError, load_rows
+from rlhf_core.runtime import stage_lock
 
 STAGE_NAMES = ", ".join(registry.BY_NAME)
 
@@ -61,8 +63,10 @@ def _sigterm_as_interrupt() -> None:
 
 
 def cmd_stage_run(args) -> int:
-    from rlhf_core.runtime import stage_lock
+    # per command: urllib.request, http.client and ssl (~20 ms, the Ray job client), which `--help` and the other commands do without
     from rlhf_core.runtime.cluster import cluster_job_address, job_server
+
+    # per command: the job submission, which imports cluster (the same ~20 ms)
     from rlhf_core.runtime.jobs import JobFailed, Secrets, forward_env, submit_and_wait, submit_detached, write_resolved_config
 
     cfg = _resolve(args.stage, args)
@@ -97,14 +101,14 @@ def cmd_stage_run(args) -> int:
 
 
 def cmd_lineage_show(args) -> int:
-    from rlhf_core.artifacts.lineage import render
+    from rlhf_core.artifacts.lineage import render  # per command: manifest's importlib.metadata (~17 ms)
 
     print(render(args.path))
     return 0
 
 
 def cmd_lineage_verify(args) -> int:
-    from rlhf_core.artifacts.lineage import verify_chain
+    from rlhf_core.artifacts.lineage import verify_chain  # per command: manifest's importlib.metadata (~17 ms)
 
     problems = verify_chain(args.path)
     for p in problems:
@@ -118,10 +122,9 @@ def cmd_pipeline_run(args) -> int:
     # a loaded 2-core machine can take longer than Prefect's default 20 s to start the
     # temporary API server; a slow start must not fail the pipeline
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    from flows.overrides import check_overrides
-
     # here too, not only in the flow: Prefect records a flow run's parameters before its body runs
     check_overrides(args.set, args.repo, from_deployment=False)
+    # heavy: Prefect (seconds), which reads its settings when imported: after the setdefault above
     from flows.pipeline import alignment_pipeline
 
     stages = [s for s in (args.stages or "").split(",") if s] or None
@@ -137,7 +140,7 @@ def cmd_pipeline_run(args) -> int:
 
 
 def cmd_pipeline_report(args) -> int:
-    from flows.report import write
+    from flows.report import write  # per command: artifacts.lineage (importlib.metadata, ~17 ms) for the champion's lineage
 
     path = write(args.repo, args.out)
     print(f"wrote {path} (open it in a browser)")
@@ -145,21 +148,21 @@ def cmd_pipeline_report(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from flows.serve import serve
+    from flows.serve import serve  # per command: urllib.request and subprocess (~17 ms) for the local Prefect server
 
     serve(args.repo, args.port, args.cron, auth=not args.no_auth, allow_overrides=args.allow_override)
     return 0
 
 
 def cmd_rollouts_show(args) -> int:
-    from rlhf_core.rollout.parquet import summarize
+    from rlhf_core.rollout.parquet import summarize  # heavy: torch (the batch type) and pyarrow
 
     print(summarize(args.path, args.samples))
     return 0
 
 
 def cmd_serve_reward(args) -> int:
-    from rlhf_core.rollout.reward_server import serve
+    from rlhf_core.rollout.reward_server import serve  # per command: http.server (~20 ms); the model it serves imports torch
 
     serve(args.model, args.host, args.port, token_file=args.token_file, auth=not args.no_auth)
     return 0

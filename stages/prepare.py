@@ -26,6 +26,7 @@ from rlhf_core.data.shapes import ShapesConfig, generate_shapes
 from rlhf_core.data.task import TaskConfig, generate_task
 from rlhf_core.models.tiny import TinyModelConfig, build_model, build_tokenizer
 from rlhf_core.models.tiny_vlm import TinyVLMConfig, build_vlm
+from rlhf_core.training.entrypoint import stage_main
 
 log = logging.getLogger("rlhf.prepare")
 
@@ -195,8 +196,6 @@ def run(cfg: Config) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Job entrypoint: `python -m stages.prepare --config resolved.json`."""
-    from rlhf_core.training.entrypoint import stage_main
-
     stage_main(Config, "prepare", run, argv, needs_ray=False)
 
 

@@ -108,8 +108,6 @@ RUN_ID_ENV = {"ray_job_id": "RLHF_RAY_JOB_ID", "prefect_flow_run_id": "RLHF_PREF
 
 
 def current_run_ids() -> dict:
-    import os
-
     return {k: os.environ[v] for k, v in RUN_ID_ENV.items() if os.environ.get(v)}
 
 

@@ -8,6 +8,7 @@ a branch, tag or commit) is a Hugging Face hub model; anything else is a local p
 does not exist is a FileNotFoundError -- never a hub download of whatever repo a typo names."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -49,8 +50,6 @@ def _hub_kwargs(revision: str | None) -> dict:
 
 def is_vision_model(path: str, trust_remote_code: bool = False) -> bool:
     """Whether `path` is a vision-language model (its config has a vision tower)."""
-    import json
-
     from transformers import AutoConfig
 
     name, revision, hub = resolve_model_ref(path)

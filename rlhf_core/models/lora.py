@@ -6,6 +6,8 @@ belongs to.  The reference policy is the base with the adapters switched off -- 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 TASK_TYPES = {"causal_lm": "CAUSAL_LM", "reward": "SEQ_CLS", "value": "TOKEN_CLS"}
@@ -57,7 +59,5 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
 def save_merged(model, out_dir: str) -> None:
     """`out_dir`: the merged model in HF format (any engine loads it), and `out_dir/adapter/`: the
     adapter alone, whose adapter_config.json names the base model it belongs to."""
-    from pathlib import Path
-
     model.get_base_model().save_pretrained(out_dir, state_dict=merged_state_dict(model), safe_serialization=True)
     model.save_pretrained(str(Path(out_dir) / "adapter"))

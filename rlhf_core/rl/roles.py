@@ -12,6 +12,10 @@ from pathlib import Path
 from rlhf_core.algos.advantages import ALGO_RECIPES
 from rlhf_core.rl.config import Config
 from rlhf_core.rollout.producer import RolloutProducer
+from rlhf_core.rollout.rewards import selected_sources, source_weights
+from rlhf_core.rollout.workers import ForwardWorker, RewardWorker, RolloutWorker
+from rlhf_core.runtime.actor import rendezvous_at
+from rlhf_core.runtime.weight_sync import backend_for
 from rlhf_core.training.worker_group import WorkerGroup
 
 log = logging.getLogger("rlhf.rl")
@@ -41,9 +45,6 @@ def reward_actor(cfg: Config, placement: dict, pad_id: int, threads: int):
     built-in exact match when none is)."""
     import ray
 
-    from rlhf_core.rollout.rewards import selected_sources, source_weights
-    from rlhf_core.rollout.workers import RewardWorker
-
     return ray.remote(RewardWorker).options(**placement).remote(sources=selected_sources(cfg, pad_id), weights=source_weights(cfg),
                                                                 threads=threads)
 
@@ -54,8 +55,6 @@ class Roles:
     def __init__(self, cfg: Config, model_path: str, pad_id: int):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from rlhf_core.rollout.workers import ForwardWorker, RolloutWorker
 
         with_critic = ALGO_RECIPES[cfg.algo].needs_critic
         ro = cfg.rollout
@@ -112,9 +111,6 @@ class Roles:
     def join_weight_group(self, cfg: Config) -> None:
         """Trainer rank 0 and every engine form the weight-sync group (rl.rollout.weight_sync=collective),
         its address on rank 0's node; the engines learn the weights' layout once."""
-        from rlhf_core.runtime.actor import rendezvous_at
-        from rlhf_core.runtime.weight_sync import backend_for
-
         host, port = rendezvous_at(self.policy.pg)
         layout = self.policy.call("weight_layout")[0]
         world = 1 + len(self.rollout)

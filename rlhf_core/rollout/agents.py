@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhf_core.data.images import ImageRules, image_problem
+from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
 from rlhf_core.rollout.env_host import EnvironmentProcess
 from rlhf_core.rollout.environment import BUILTIN, RetryArithmetic, RetryCounting, SingleTurn, Step, load_environment, takes_images
 
@@ -121,9 +123,6 @@ def feedback_ids(tokenizer, vision, step: Step) -> list[int]:
     A picture that is not a usable image, or pictures without a VLM, are the environment's error."""
     if not step.images:
         return tokenizer(step.feedback or "", add_special_tokens=False).input_ids
-    from rlhf_core.data.images import ImageRules, image_problem
-    from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
-
     if vision is None:
         raise ValueError("the environment returned images, but the policy is not a vision-language model")
     if (step.feedback or "").count(IMAGE_TOKEN) != len(step.images):

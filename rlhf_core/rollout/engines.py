@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.models.load import resolve_model_ref
+from rlhf_core.models.load import actor_device, load_model, resolve_model_ref
 
 
 @dataclass
@@ -114,8 +114,6 @@ class HFEngine:
     sample does not depend on what else is in the batch)."""
 
     def __init__(self, model_path: str, max_model_len: int, seed: int, dtype: str = "float32", trust_remote_code: bool = False, **_):
-        from rlhf_core.models.load import actor_device, load_model
-
         self.device = actor_device()
         self.model = load_model(model_path, "causal_lm", dtype, trust_remote_code).eval().to(self.device)
         self.eos = self.model.generation_config.eos_token_id

@@ -5,10 +5,13 @@ host child process (`env_host.py`) imports this module, and the runner (`agents.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.data.shapes import mark_objects
 from rlhf_core.evaluation import completion_answer
+from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
 
 
 @dataclass
@@ -70,9 +73,6 @@ class RetryCounting(RetryArithmetic):
         return super().reset(prompt, label)
 
     def retry(self) -> Step:
-        from rlhf_core.data.shapes import mark_objects
-        from rlhf_core.models.tiny_vlm import IMAGE_TOKEN
-
         return Step(reward=0.0, feedback=f" wrong, count again{IMAGE_TOKEN} A:", done=False, images=[mark_objects(self.picture)])
 
 
@@ -81,8 +81,6 @@ BUILTIN = {"single_turn": SingleTurn, "retry_arithmetic": RetryArithmetic, "retr
 
 def takes_images(env) -> bool:
     """Whether an environment's `reset` wants the prompt's pictures (an `images` parameter)."""
-    import inspect
-
     return "images" in inspect.signature(env.reset).parameters
 
 

@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rlhf_core.atomic import secret_file
+from rlhf_core.models.load import load_tokenizer
 
 log = logging.getLogger("rlhf.reward_server")
 
@@ -60,8 +61,7 @@ def drain(handler: BaseHTTPRequestHandler) -> None:
 def make_server(model_path: str, host: str = "127.0.0.1", port: int = 8765, max_batch: int = 512, *,
                 token: str | None) -> ThreadingHTTPServer:
     """`token`: the bearer token both POSTs require; None (say it explicitly) serves without auth."""
-    from rlhf_core.models.load import load_tokenizer
-    from rlhf_core.rollout.rewards import ModelReward
+    from rlhf_core.rollout.rewards import ModelReward  # heavy: torch (the scoring model); the HTTP side of this module needs none
 
     tokenizer = load_tokenizer(model_path)  # no pad token: pads with EOS
     model = ModelReward(model_path, tokenizer.pad_token_id)

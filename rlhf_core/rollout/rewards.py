@@ -37,7 +37,13 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
 
+from rlhf_core.algos.aggregation import masked_sum, pool_response
+from rlhf_core.algos.losses import token_logprobs
+from rlhf_core.atomic import read_secret_file
+from rlhf_core.config import redact_url
 from rlhf_core.evaluation import completion_answer
+from rlhf_core.models.load import actor_device, load_model
+from rlhf_core.models.shared_prefix import PACK_MAX_LEN, model_logits, pack_rows
 
 
 def exact_match(prompts, responses, labels, **kw) -> list[float]:
@@ -141,8 +147,6 @@ class ModelReward:
     normalised by."""
 
     def __init__(self, path: str, pad_token_id: int, normalize: bool = True, trust_remote_code: bool = False):
-        from rlhf_core.models.load import actor_device, load_model
-
         stats_path = Path(path) / "reward_stats.json"
         stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
         self.pooling = stats.get("pooling", "last")
@@ -159,10 +163,6 @@ class ModelReward:
 
     @torch.no_grad()
     def __call__(self, samples: list[dict]):
-        from rlhf_core.algos.aggregation import masked_sum, pool_response
-        from rlhf_core.algos.losses import token_logprobs
-        from rlhf_core.models.shared_prefix import PACK_MAX_LEN, model_logits, pack_rows
-
         seqs = [s["token_ids"] for s in samples]
         width = max(len(x) for x in seqs)
         ids = torch.tensor([x + [self.pad] * (width - len(x)) for x in seqs])
@@ -205,9 +205,6 @@ class HttpReward:
 
     def __init__(self, url: str, timeout: float = 10.0, retries: int = 3, backoff: float = 0.5, protocol: str = "auto",
                  token_file: str | None = None):
-        from rlhf_core.atomic import read_secret_file
-        from rlhf_core.config import redact_url
-
         self.shown = redact_url(url)
         parts = urlsplit(url)
         self.headers = {"Content-Type": "application/json"}

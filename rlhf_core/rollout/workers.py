@@ -15,7 +15,12 @@ from dataclasses import asdict
 
 import torch
 
+from rlhf_core.data.images import VisionInputs
 from rlhf_core.models.load import actor_device, is_vision_model, load_model, load_processor, load_tokenizer
+from rlhf_core.rollout import rewards as R
+from rlhf_core.rollout.agents import environments, run_episodes
+from rlhf_core.rollout.engines import ENGINES
+from rlhf_core.rollout.rewards import RewardError, build_source, combine
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
 from rlhf_core.runtime.weight_sync import Layout, WeightGroup, empty_buffers, unflatten
@@ -32,15 +37,10 @@ class RolloutWorker(PeakMemory):
     def __init__(self, *, engine: str, model_path: str, max_len: int, seed: int, agent: str, agent_file: str | None, env_timeout: float,
                  max_turns: int, dtype: str = "float32", gpu_memory_utilization: float = 0.05, sleep: int = 0,
                  trust_remote_code: bool = False, threads: int = 1, segment: int = 0, tensor_parallel: int = 1):
-        from rlhf_core.rollout.agents import environments
-        from rlhf_core.rollout.engines import ENGINES
-
         torch.set_num_threads(max(1, threads))
         self.tokenizer = load_tokenizer(model_path, trust_remote_code)
         self.vision = None  # a VLM's processor side: image placeholders and pixel values
         if is_vision_model(model_path, trust_remote_code):
-            from rlhf_core.data.images import VisionInputs
-
             self.vision = VisionInputs(load_processor(model_path, trust_remote_code))
         # every engine takes the same settings and ignores what it has no use for (hf: memory, sleep)
         self.engine = ENGINES[engine](model_path, max_model_len=max_len, seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
@@ -56,8 +56,6 @@ class RolloutWorker(PeakMemory):
                 images: list | None = None) -> list[dict]:
         """Play one episode per prompt; returns plain dicts (token ids, masks, engine log-probs).
         `images`: per prompt its image references (VLM rows)."""
-        from rlhf_core.rollout.agents import run_episodes
-
         faults.hang("rollout")
         t0 = time.time()
         episodes = run_episodes(Locked(self.engine, self.lock), self.tokenizer, self.envs, prompts, labels, seeds, max_new_tokens,
@@ -150,8 +148,6 @@ class RewardWorker(PeakMemory):
     {component name: constructor keywords} (`rewards.selected_sources`), `weights`: per component."""
 
     def __init__(self, *, sources: dict[str, dict], weights: dict[str, float], threads: int = 1):
-        from rlhf_core.rollout.rewards import build_source
-
         torch.set_num_threads(max(1, threads))  # a reward model's forward
         self.sources = {name: build_source(name, settings) for name, settings in sources.items()}
         self.weights = weights
@@ -162,9 +158,6 @@ class RewardWorker(PeakMemory):
     def score(self, samples: list[dict]) -> list[dict]:
         """Per sample: score (NaN if invalid), components, invalid reason.  The environment's own
         reward (multi-turn agents) is the component `env`."""
-        from rlhf_core.rollout import rewards as R
-        from rlhf_core.rollout.rewards import RewardError, combine
-
         faults.hang("reward")
         n = len(samples)
         results = {}

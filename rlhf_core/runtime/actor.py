@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import resource
 
+from rlhf_core.runtime.cluster import free_port
+
 
 class PeakMemory:
     """Every actor reports its process's peak resident memory (the burst check and rl metrics) and
@@ -14,7 +16,7 @@ class PeakMemory:
 
     def device_id(self) -> str:
         """This actor's GPU (UUID) or "cpu": the weight-sync group picks its backend by them."""
-        from rlhf_core.runtime.weight_sync import device_id
+        from rlhf_core.runtime.weight_sync import device_id  # heavy: torch, which the actor has and its drivers (worker_group) need not
 
         return device_id()
 
@@ -27,8 +29,6 @@ class PeakMemory:
 
 def _node_address() -> tuple[str, int]:
     import ray
-
-    from rlhf_core.runtime.cluster import free_port
 
     return ray.util.get_node_ip_address(), free_port()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlhf_core import atomic, registry
 from rlhf_core.config import config_secrets
+from rlhf_core.runtime import watchdog
 from rlhf_core.runtime.cluster import job_client
 from rlhf_core.runtime.env import SECRETS_FILE, SETUP_HOOK, extra_names, looks_secret, write_secrets_file
 
@@ -108,8 +109,6 @@ def submit_and_wait(address: str, stage: str, config_path: Path, env_vars: dict[
     Ctrl-C stops the job before re-raising.  `guard`: a watchdog in a session of its own stops the
     job if this process dies before the job ends, however it dies (off for an embedded head,
     whose own watchdog takes every job along)."""
-    from rlhf_core.runtime import watchdog
-
     client = job_client(address)
     submission_id = new_submission_id(stage)
     # started before the submission: a kill in between must not leave the job running

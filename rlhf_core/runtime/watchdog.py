@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlhf_core.runtime.ray_auth import job_client
+
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 POLL_S = 0.2
 
@@ -170,8 +172,6 @@ def run_job(parent: int, address: str, job_id: str, window: float) -> int:
     if done:
         return 0
     _say(f"parent {parent} is gone: stopping Ray job {job_id} at {address}")
-    from rlhf_core.runtime.ray_auth import job_client
-
     deadline = time.time() + window
     while True:
         try:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from rlhf_core.data.images import VisionInputs
 from rlhf_core.data.tokenize import pad_batch
+from rlhf_core.models.shared_prefix import PACK_MAX_LEN, pack_rows
 
 log = logging.getLogger("rlhf.stage")
 
@@ -36,10 +39,6 @@ class CollatePairs:
         self.shared_prefix = shared_prefix and vision is None
 
     def __call__(self, pairs: list[dict]) -> dict:
-        import torch
-
-        from rlhf_core.models.shared_prefix import PACK_MAX_LEN, pack_rows
-
         sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
         batch = pad_batch(sequences, self.pad_id)
         if self.shared_prefix:  # the prompt: the tokens before the loss mask's first 1

@@ -13,13 +13,13 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
 from rlhf_core import atomic
 from rlhf_core.artifacts.manifest import input_record
-from rlhf_core.config import config_hash
+from rlhf_core.config import config_hash, redact
 from rlhf_core.runtime import faults, stage_lock
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.config import TrainConfig
@@ -343,10 +343,6 @@ def wandb_run(out_dir: Path, name: str, cfg: TrainConfig, run_id: str):
         import wandb
     except ImportError:
         raise RuntimeError("report_to includes wandb but the wandb package is not installed: pip install -e '.[wandb]'") from None
-    from dataclasses import asdict
-
-    from rlhf_core.config import redact
-
     (out_dir / "wandb").mkdir(parents=True, exist_ok=True)
     return wandb.init(project=cfg.wandb_project, name=f"{name}-{out_dir.name}", dir=str(out_dir), config=redact(asdict(cfg)),
                       id=run_id[:32] or None, resume="allow" if run_id else None)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from rlhf_core.models import lora
 from rlhf_core.models.load import load_model
+from rlhf_core.rollout.hf_engine import greedy_generate
 from rlhf_core.runtime import faults
 from rlhf_core.runtime.actor import PeakMemory
 from rlhf_core.runtime.weight_sync import Layout, WeightGroup, flatten
@@ -119,8 +120,6 @@ class TrainWorker(PeakMemory):
                  pixels: list | None = None) -> list[list[int]]:
         """Greedy continuations (token ids, without the prompt), left-padded batches; `pixels`:
         per prompt its images' pixel values (a VLM's image rows)."""
-        from rlhf_core.rollout.hf_engine import greedy_generate
-
         self.engine.eval()
         return greedy_generate(self.engine.module, prompts, max_new_tokens, pad_token_id, eos_token_id, batch_size, pixels)
 

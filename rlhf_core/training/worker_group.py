@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rlhf_core import atomic
 from rlhf_core.runtime import faults
+from rlhf_core.runtime.actor import rendezvous_at
 from rlhf_core.training.config import TrainConfig
 
 log = logging.getLogger("rlhf.train")
@@ -42,8 +43,7 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_core.runtime.actor import rendezvous_at
-        from rlhf_core.training.worker import TrainWorker
+        from rlhf_core.training.worker import TrainWorker  # heavy: torch; only the Ray actors need it, not this module's other users
 
         bundle = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_per_worker} if cfg.gpus_per_worker else {})}
         self.pg = pg or placement_group([bundle] * cfg.num_workers, strategy=cfg.placement_strategy)
