@@ -60,8 +60,9 @@ $(BENCH_VENV)/.installed: constraints-cpu.txt
 	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check -c constraints-cpu.txt trl==$(TRL_VERSION)
 	touch $@
 
+# the unit tests alone (no Ray job, no stage run): ~30 s on two workers
 test-unit: setup
-	$(BIN)/python -m pytest -m unit
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m unit
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) artifacts data

@@ -128,6 +128,9 @@ def test_the_rl_configs_old_flat_keys_load_into_their_sections(tmp_path, caplog)
 
     old = {key: section for section, keys in RL_FLAT_KEYS.items() for key in keys.split()}
     assert set(Config.RENAMED) == set(old)
+    from rlhf_core.rl.config import _renamed
+
+    assert Config.RENAMED == _renamed()  # the flows' plain table (rl/renamed.py) is the sections' rule
     for key, new in Config.RENAMED.items():
         section, name = new.split(".")
         assert section == old[key] and name in {f.name for f in dataclasses.fields(getattr(Config(), section))}, key

@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 
 from rlhf_core.algos.advantages import ALGO_RECIPES
 from rlhf_core.algos.losses import POLICY_LOSS_DEFAULTS
+from rlhf_core.rl.renamed import RENAMED
 from rlhf_core.rollout.config import RewardConfig, RolloutConfig
 from rlhf_core.training.config import TrainConfig
 
@@ -104,7 +105,7 @@ def _renamed() -> dict[str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class Config(TrainConfig):
-    RENAMED: ClassVar[dict[str, str]] = _renamed()
+    RENAMED: ClassVar[dict[str, str]] = RENAMED
     """Old flat key -> its key now (`"kl_coef": "objective.kl_coef"`): `from_dict` moves a setting
     given under its old name, with a warning (both names at once: an error)."""
     model_path: str | None = "artifacts/sft/model"

@@ -6,6 +6,7 @@ import os
 import types
 
 import pytest
+import yaml
 
 from flows.overrides import ALLOW_ENV, REPO_ENV, OverrideRefused, allowed_from_env, check_overrides, check_repo
 
@@ -132,3 +133,16 @@ def test_pipeline_run_refuses_credentials_before_prefect_sees_them(tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2 and "carries credentials" in err and "pa55w0rd" not in err
     assert (tmp_path / "params.yaml").read_text() == "rl:\n  max_steps: 3\n" and not (tmp_path / ".prefect").exists()
+
+
+def test_an_old_rl_key_is_written_under_its_new_name(tmp_path, caplog):
+    """`rlhf pipeline run --set rl.kl_coef=...` beside a params.yaml holding the new key: written
+    under the old name, the stage would see both and refuse; the flow writes the new key."""
+    import flows.pipeline as P
+
+    (tmp_path / "params.yaml").write_text("rl:\n  objective:\n    kl_coef: 0.01\nrl_variants:\n  rlhf:\n    reward:\n      model: a\n")
+    P.apply_overrides(tmp_path, ["rl.kl_coef=0.2", "rl_variants.rlhf.reward_model=b", "rl.max_steps=3", "sft.kl_coef=1"])
+    data = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    assert data["rl"] == {"objective": {"kl_coef": 0.2}, "max_steps": 3} and data["rl_variants"]["rlhf"] == {"reward": {"model": "b"}}
+    assert data["sft"] == {"kl_coef": 1}  # another stage's key of the same name is its own
+    assert "rl.kl_coef is now rl.objective.kl_coef" in caplog.text
