@@ -16,7 +16,8 @@ A key in a section is judged by its last part and by its last two parts joined w
 are refused alike.
 
 `rlhf serve --allow-override KEY` (repeatable: a dotted key such as `rl.reward.file`, or a key name
-such as `reward_file` for every section) lets one through: `rlhf serve` hands the list to its flow
+such as `reward_file` for every section; an rl setting's old dotted name and its new one are the
+same opt-in) lets one through: `rlhf serve` hands the list to its flow
 runs in its own environment (`RLHF_DEPLOYMENT_ALLOW_OVERRIDES`), never as a flow parameter, which
 is what the API caller controls.
 
@@ -31,6 +32,7 @@ import os
 from pathlib import Path
 
 from rlhf_core.config import ConfigError, redact_url
+from rlhf_core.rl.renamed import RENAMED
 
 ALLOW_ENV = "RLHF_DEPLOYMENT_ALLOW_OVERRIDES"
 REPO_ENV = "RLHF_DEPLOYMENT_REPO"
@@ -102,6 +104,16 @@ def why_refused(key: str, value, repo: Path) -> str | None:
     return None
 
 
+def renamed_key(key: str) -> str:
+    """An rl setting's dotted key under its old flat name (`rl.kl_coef`, `rl_variants.rlhf.reward_model`)
+    -> its key now (`rl.objective.kl_coef`, `rl_variants.rlhf.reward.model`); any other key as it is."""
+    parts = key.split(".")
+    at = 1 if parts[0] == "rl" else 2 if parts[0] == "rl_variants" and len(parts) > 2 else None
+    if at is None or len(parts) != at + 1 or parts[at] not in RENAMED:
+        return key
+    return ".".join([*parts[:at], RENAMED[parts[at]]])
+
+
 def check_overrides(overrides: list[str] | None, repo: str | Path, from_deployment: bool, allowed: set[str] = frozenset()) -> None:
     """Raise OverrideRefused naming the first refused override and how to allow it (see the module
     docstring); nothing is written here, so a refused run leaves params.yaml as it was."""
@@ -115,7 +127,9 @@ def check_overrides(overrides: list[str] | None, repo: str | Path, from_deployme
                     "and dvc.lock). Give the URL without them and the token in a 0600 file: "
                     f"--set rl.reward.token_file=PATH (`rlhf serve-reward` writes one), or run the stage with "
                     f"`rlhf stage run rl --set {leaf_key}=...`, which keeps credentials out of every file")
-            if not from_deployment or leaf_key in allowed or _names(leaf_key) & allowed or key in allowed:
+            # an opt-in under a setting's old name (`rl.reward_file`) lets its new one (`rl.reward.file`) through, and back
+            if not from_deployment or renamed_key(leaf_key) in {renamed_key(a) for a in allowed} or _names(leaf_key) & allowed \
+                    or key in allowed:
                 continue
             why = why_refused(leaf_key, leaf, repo)
             if why:

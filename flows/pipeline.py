@@ -27,9 +27,8 @@ from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed, State
 
 from flows import promotion, report
-from flows.overrides import allowed_from_env, check_overrides, check_repo
+from flows.overrides import allowed_from_env, check_overrides, check_repo, renamed_key
 from rlhf_core import atomic, registry
-from rlhf_core.rl.renamed import RENAMED
 from rlhf_core.runtime.cluster import shared_head
 
 
@@ -184,19 +183,6 @@ def ensure_remote(repo: Path) -> None:
         _dvc(["remote", "add", "--local", "-d", "local", ".dvc/remote"], repo)  # run from the repo root
 
 
-def renamed_key(key: str) -> str:
-    """An rl setting given under its old flat name (`rl.kl_coef`, `rl_variants.rlhf.reward_model`)
-    -> its key now (`rl.objective.kl_coef`, `rl_variants.rlhf.reward.model`), with a warning: written
-    under the old name beside a params.yaml that has the new one, the stage would refuse both."""
-    parts = key.split(".")
-    at = 1 if parts[0] == "rl" else 2 if parts[0] == "rl_variants" and len(parts) > 2 else None
-    if at is None or len(parts) != at + 1 or parts[at] not in RENAMED:
-        return key
-    new = ".".join([*parts[:at], RENAMED[parts[at]]])
-    logging.getLogger(__name__).warning("%s is now %s", key, new)
-    return new
-
-
 def apply_overrides(repo: Path, overrides: list[str]) -> None:
     """`SECTION.KEY=VALUE` overrides written into params.yaml (comments kept), so DVC sees them
     (`dvc params diff`) and reruns exactly the stages that read them."""
@@ -211,7 +197,10 @@ def apply_overrides(repo: Path, overrides: list[str]) -> None:
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
             raise ValueError(f"override {item!r} must look like SECTION.KEY=VALUE")
-        node, *parts = renamed_key(key).split(".")
+        # written under an old name beside a params.yaml holding the new one, the stage would refuse both
+        if (new := renamed_key(key)) != key:
+            logging.getLogger(__name__).warning("%s is now %s", key, new)
+        node, *parts = new.split(".")
         cur = data.setdefault(node, {})
         for p in parts[:-1]:
             cur = cur.setdefault(p, {})

@@ -146,3 +146,12 @@ def test_an_old_rl_key_is_written_under_its_new_name(tmp_path, caplog):
     assert data["rl"] == {"objective": {"kl_coef": 0.2}, "max_steps": 3} and data["rl_variants"]["rlhf"] == {"reward": {"model": "b"}}
     assert data["sft"] == {"kl_coef": 1}  # another stage's key of the same name is its own
     assert "rl.kl_coef is now rl.objective.kl_coef" in caplog.text
+
+
+def test_an_opt_in_under_a_settings_old_name_lets_its_new_name_through(tmp_path):
+    """`rlhf serve --allow-override rl.reward_file` (the old dotted name) allows `rl.reward.file`,
+    and the new dotted name allows the old; another setting stays refused."""
+    check_overrides(["rl.reward.file=/tmp/r.py"], tmp_path, True, {"rl.reward_file"})
+    check_overrides(["rl.reward_file=/tmp/r.py"], tmp_path, True, {"rl.reward.file"})
+    with pytest.raises(OverrideRefused, match="rl.reward.token_file"):
+        check_overrides(["rl.reward.token_file=/tmp/t"], tmp_path, True, {"rl.reward_file"})
